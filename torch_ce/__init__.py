@@ -1,0 +1,48 @@
+"""torch_ce: FSDP weight all-gathers on the GPU copy engines for compiled inference graphs.
+
+Public API:
+  enable(**config) / disable()   install / remove the graph passes (plain torch.compile)
+  bind(params, group=None)       move Shard(0) weight shards into symmetric windows
+  all_gather(shard, group)       gather one bound shard (op + wait), eager convenience
+  config                         the settings (see torch_ce/config.py; TORCH_CE_* env vars)
+  explain()                      what the passes and binds did
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import ops  # noqa: F401  (defines torch.ops.magi.*)
+from .binding import BindResult, bind
+from .config import config
+from .windows import release_all
+
+
+def all_gather(shard, group=None):
+    """``wait_tensor(magi.ce_all_gather(shard, ...))`` for a bound shard of ``group``."""
+    import torch
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    out = torch.ops.magi.ce_all_gather(shard, dist.get_world_size(group), group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def enable(**overrides):
+    from .passes.manager import enable as _enable
+
+    return _enable(**overrides)
+
+
+def disable():
+    from .passes.manager import disable as _disable
+
+    return _disable()
+
+
+def explain(print_table: bool = False):
+    from .explain import explain as _explain
+
+    return _explain(print_table=print_table)
+
+
+__all__ = ["BindResult", "all_gather", "bind", "config", "disable", "enable", "explain", "release_all"]

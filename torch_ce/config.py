@@ -1,0 +1,139 @@
+"""torch_ce settings: one validated object, settable from code and from the environment.
+
+Every value that changes what the graph passes emit is part of the pass manager's uuid()
+(see ``passes/manager.py``), so the FX graph cache stays on and stays correct.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Iterator
+
+TRANSPORTS = ("nccl", "copy_engine")
+COST_MODES = ("calibrated", "default")
+
+
+@dataclasses.dataclass
+class Config:
+    # "nccl": graphs untouched. "copy_engine": eligible weight gathers become one-sided
+    # window reads (CUDA copy engines for CUDA weights, the host transport for CPU weights).
+    transport: str = "nccl"
+    # Shards smaller than this stay on NCCL (0: every eligible weight is bound).
+    symm_min_shard_mib: float = 0.0
+    # One symmetric window holds at most this many bytes; a larger shard gets its own.
+    window_cap_mib: float = 4096.0
+    # Cap on one coalesced gather bucket (0: no cap).
+    bucket_size_mib: float = 0.0
+    # CPU weights may use POSIX shared-memory windows (the host transport).
+    host_transport: bool = True
+    # Reorder: a launch needs upstream compute >= cost * scale + margin to be hidden.
+    comm_overlap_window_scale: float = 1.5
+    comm_overlap_margin_us: float = 5.0
+    # Install the latest-safe-launch reorder (for both transports) while enabled.
+    reorder: bool = True
+    # "calibrated": time wait(launch()) on the real windows after binding and use that
+    # curve; "default": the documented curve from our H200 measurements only.
+    cost_mode: str = "calibrated"
+    # Where the calibrated cost curves are cached ("" = ~/.cache/torch_ce).
+    cost_cache_dir: str = ""
+
+    def validate(self) -> "Config":
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"torch_ce: transport must be one of {TRANSPORTS}, got {self.transport!r}"
+            )
+        if self.cost_mode not in COST_MODES:
+            raise ValueError(
+                f"torch_ce: cost_mode must be one of {COST_MODES}, got {self.cost_mode!r}"
+            )
+        for name in ("symm_min_shard_mib", "bucket_size_mib", "comm_overlap_margin_us"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"torch_ce: {name} must be >= 0, got {getattr(self, name)!r}")
+        if self.window_cap_mib <= 0:
+            raise ValueError(f"torch_ce: window_cap_mib must be > 0, got {self.window_cap_mib!r}")
+        if self.comm_overlap_window_scale <= 0:
+            raise ValueError(
+                "torch_ce: comm_overlap_window_scale must be > 0, "
+                f"got {self.comm_overlap_window_scale!r}"
+            )
+        return self
+
+    # Byte views used by the planner.
+    @property
+    def window_cap_bytes(self) -> int:
+        return int(self.window_cap_mib * 2**20)
+
+    @property
+    def min_shard_bytes(self) -> int:
+        return int(self.symm_min_shard_mib * 2**20)
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_size_mib * 2**20)
+
+    def cache_key(self) -> tuple:
+        """The values that change what the passes emit (cost_cache_dir does not)."""
+        d = dataclasses.asdict(self)
+        d.pop("cost_cache_dir")
+        return tuple(sorted(d.items()))
+
+
+_ENV_PREFIX = "TORCH_CE_"
+
+
+def _parse(field: dataclasses.Field, raw: str) -> Any:
+    name = _ENV_PREFIX + field.name.upper()
+    if field.type in ("bool", bool):
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"torch_ce: {name}={raw!r} is not a boolean (use 1/0, true/false)")
+    if field.type in ("float", float):
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"torch_ce: {name}={raw!r} is not a number") from None
+    return raw.strip()
+
+
+def from_env(environ: dict | None = None) -> Config:
+    """A Config with every ``TORCH_CE_<FIELD>`` variable applied, validated."""
+    environ = os.environ if environ is None else environ
+    kw = {}
+    for f in dataclasses.fields(Config):
+        raw = environ.get(_ENV_PREFIX + f.name.upper())
+        if raw is not None and raw != "":
+            kw[f.name] = _parse(f, raw)
+    return Config(**kw).validate()
+
+
+config: Config = from_env()
+
+
+def update(**overrides: Any) -> Config:
+    """Set fields of the global config; unknown names and bad values raise ValueError."""
+    known = {f.name for f in dataclasses.fields(Config)}
+    unknown = set(overrides) - known
+    if unknown:
+        raise ValueError(
+            f"torch_ce: unknown config option(s) {sorted(unknown)}; known: {sorted(known)}"
+        )
+    candidate = dataclasses.replace(config, **overrides).validate()
+    for k in overrides:
+        setattr(config, k, getattr(candidate, k))
+    return config
+
+
+@contextlib.contextmanager
+def patch(**overrides: Any) -> Iterator[Config]:
+    """Temporarily override config fields (tests)."""
+    old = dataclasses.asdict(config)
+    update(**overrides)
+    try:
+        yield config
+    finally:
+        for k, v in old.items():
+            setattr(config, k, v)

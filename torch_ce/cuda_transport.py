@@ -1,0 +1,128 @@
+"""The copy-engine transport: symmetric-memory windows and batched one-sided peer reads.
+
+# NOTE [copy-engine gather]
+A gather of a bucket is: the copy stream waits on the current stream (the fresh outputs
+were allocated there), one ``cudaMemcpyBatchAsync`` submits every (member x peer) read,
+an event is recorded, and the outputs are registered as c10d work. ``wait_tensor`` on an
+output makes the consumer's stream wait on that event. No SM kernel runs and no rank
+waits for another: the sources are static weights published once at bind time.
+When the batched API is missing (runtime < 12.8) or a CUDA graph is being captured (the
+batched API is not capturable) the same reads go out as one cudaMemcpyAsync each.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Work, _register_work
+
+from . import _cuda_lib
+from .windows import Slot, Window
+
+_streams: dict[int, torch.cuda.Stream] = {}
+_stream_lock = threading.Lock()
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One dedicated copy stream per device (high priority: gathers gate compute)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    s = _streams.get(idx)
+    if s is None:
+        with _stream_lock:
+            s = _streams.get(idx)
+            if s is None:
+                s = torch.cuda.Stream(device=idx, priority=-1)
+                _streams[idx] = s
+    return s
+
+
+class CopyEngineWork(Work):
+    """c10d work for one bucket: ``wait()`` orders the current stream after the copies."""
+
+    def __init__(self, event: torch.cuda.Event):
+        super().__init__()
+        self.event = event
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 (copies cannot hang)
+        torch.cuda.current_stream().wait_event(self.event)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+
+def open_windows(windows: list[Window]) -> None:
+    """Allocate and rendezvous one symmetric buffer per window (collective over the group)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    for w in windows:
+        name = w.group.group_name
+        try:  # needed on older torch, a no-op or absent on newer
+            symm_mem.enable_symm_mem_for_group(name)
+        except Exception:
+            pass
+        buf = symm_mem.empty(max(w.nbytes, 1), dtype=torch.uint8, device=w.device)
+        hdl = symm_mem.rendezvous(buf, name)
+        w.local = buf
+        w.handle = hdl
+        w.peer_base_ptrs = [int(p) for p in hdl.buffer_ptrs]
+    # Symmetric memory cannot reuse the caching allocator's blocks: hand them back.
+    torch.cuda.empty_cache()
+
+
+def slot_local_view(slot: Slot) -> torch.Tensor:
+    """This rank's slot as a tensor whose storage starts at the slot (storage_offset 0)."""
+    w = slot.window
+    assert slot.offset % slot.dtype.itemsize == 0
+    return w.handle.get_buffer(w.rank, slot.shape, slot.dtype, slot.offset // slot.dtype.itemsize)
+
+
+def publish_slot(slot: Slot) -> None:
+    w = slot.window
+    slot.peer_ptrs = [base + slot.offset for base in w.peer_base_ptrs]
+    off = slot.offset // slot.dtype.itemsize
+    slot.peer_views = [w.handle.get_buffer(r, slot.shape, slot.dtype, off) for r in range(w.group_size)]
+
+
+def gather_into(outs: list[torch.Tensor], slots: list[Slot]) -> None:
+    """Issue all reads of one bucket on the copy stream and register the outputs' work."""
+    device = outs[0].device
+    cur = torch.cuda.current_stream(device)
+    side = copy_stream(device)
+    capturing = torch.cuda.is_current_stream_capturing()
+    side.wait_stream(cur)
+    dsts, srcs, sizes = [], [], []
+    for out, slot in zip(outs, slots):
+        base, n = out.data_ptr(), slot.nbytes
+        for r, src in enumerate(slot.peer_ptrs):
+            dsts.append(base + r * n)
+            srcs.append(src)
+            sizes.append(n)
+    with torch.cuda.stream(side):
+        if not capturing and _cuda_lib.batch_supported():
+            _cuda_lib.memcpy_batch(dsts, srcs, sizes, side.cuda_stream)
+        elif _cuda_lib.is_built():
+            _cuda_lib.memcpy_peer_fallback(dsts, srcs, sizes, side.cuda_stream)
+        else:  # no compiled library: the same per-peer reads through torch
+            for out, slot in zip(outs, slots):
+                chunks = out.view(slot.group_size, *slot.shape)
+                for r, src in enumerate(slot.peer_views):
+                    chunks[r].copy_(src, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    work = CopyEngineWork(ev)
+    for out in outs:
+        # The caching allocator must not hand the output to another stream's work while
+        # the copies may still be writing it.
+        out.record_stream(side)
+        _register_work(out, work)
+
+
+def available() -> bool:
+    return torch.cuda.is_available()
+
+
+def barrier(group) -> None:
+    torch.cuda.synchronize()
+    dist.barrier(group=group)

@@ -1,0 +1,23 @@
+"""Fake (meta) impls of the magi ops: shapes only, no data, no binding, no process group.
+
+Because the ops take ``(tensor, group_size, group_name)`` like the functional collectives,
+tracing needs no live group.
+"""
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.register_fake("magi::ce_all_gather")
+def _ce_all_gather_fake(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    return shard.new_empty((group_size * shard.shape[0], *shard.shape[1:]))
+
+
+@torch.library.register_fake("magi::ce_all_gather_coalesced")
+def _ce_all_gather_coalesced_fake(shards, group_size: int, group_name: str):
+    return [s.new_empty((group_size * s.shape[0], *s.shape[1:])) for s in shards]
+
+
+@torch.library.register_fake("magi::ce_bind")
+def _ce_bind_fake(shards, group_sizes, group_names, names) -> None:
+    return None

@@ -1,0 +1,117 @@
+"""The ``magi`` ops: copy-engine all-gathers of bound shards, and the bind step.
+
+Signatures mirror ``_c10d_functional.all_gather_into_tensor[_coalesced]`` so a graph node
+can be retargeted without rebuilding its args:
+
+    magi::ce_all_gather(Tensor shard, int group_size, str group_name) -> Tensor
+    magi::ce_all_gather_coalesced(Tensor[] shards, int group_size, str group_name) -> Tensor[]
+
+Output: a fresh tensor of ``group_size * shard.shape[0]`` rows, rank r's shard at row
+``r * rows``. The shard must have been bound (``torch_ce.bind`` or the compiled bind step);
+a shard whose binding was refused by agreement is gathered by the group's collective
+backend instead (NOTE [agreement before anything moves] in binding.py). On CUDA the
+outputs carry c10d work: ``_c10d_functional.wait_tensor`` orders the consumer after the
+copies. The host transport (CPU) completes before returning.
+
+    magi::ce_bind(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names) -> ()
+
+The bind step the compiler inserts at the head of a graph (NOTE [run-time bind] in
+passes/bind_step.py). Declared as mutating its shards so Inductor keeps every read of them
+after it; it moves them into windows on its first run and costs one dict lookup after.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import windows as W
+
+_FUNCTIONAL = torch.ops._c10d_functional
+
+
+def _unbound_error(t: torch.Tensor, group_name: str) -> RuntimeError:
+    return RuntimeError(
+        "torch_ce: magi::ce_all_gather got a tensor that is not bound to a symmetric window "
+        f"(shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}, data_ptr {t.data_ptr():#x}, "
+        f"group {group_name!r}). Bind the weight shards first with "
+        "torch_ce.bind(module_or_params, group=...), or compile with "
+        "torch_ce.enable(transport='copy_engine') and let the bind step do it."
+    )
+
+
+def _check_group(slot: W.Slot, group_size: int, group_name: str) -> None:
+    w = slot.window
+    if group_size != w.group_size:
+        raise RuntimeError(
+            f"torch_ce: group_size {group_size} does not match the window's group of "
+            f"{w.group_size} ranks {list(w.group_ranks)} for shard {slot.name or tuple(slot.shape)}"
+        )
+    if group_name != w.group.group_name:
+        import torch.distributed as dist
+
+        pg = torch._C._distributed_c10d._resolve_process_group(group_name)
+        if tuple(dist.get_process_group_ranks(pg)) != w.group_ranks:
+            raise RuntimeError(
+                f"torch_ce: group {group_name!r} is not the group the shard was bound to "
+                f"(ranks {list(w.group_ranks)})"
+            )
+
+
+def _out_like(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    return t.new_empty((group_size * t.shape[0], *t.shape[1:]))
+
+
+def gather(shards: Sequence[torch.Tensor], group_size: int, group_name: str) -> list[torch.Tensor]:
+    """Gather a bucket: bound members by one-sided reads (one submission), the rest by
+    the collective backend in program order (identical on every rank)."""
+    if group_size == 1:
+        return [s.clone() for s in shards]
+    outs: list[torch.Tensor | None] = [None] * len(shards)
+    bound_idx, slots = [], []
+    for i, s in enumerate(shards):
+        entry = W.lookup(s)
+        if isinstance(entry, W.Slot):
+            _check_group(entry, group_size, group_name)
+            bound_idx.append(i)
+            slots.append(entry)
+        elif isinstance(entry, W.Fallback):
+            outs[i] = _FUNCTIONAL.all_gather_into_tensor(s, group_size, group_name)
+        else:
+            raise _unbound_error(s, group_name)
+    if slots:
+        bouts = [_out_like(shards[i], group_size) for i in bound_idx]
+        if bouts[0].device.type == "cuda":
+            from . import cuda_transport as tr
+        else:
+            from . import host_transport as tr
+        tr.gather_into(bouts, slots)
+        for i, o in zip(bound_idx, bouts):
+            outs[i] = o
+    return outs  # type: ignore[return-value]
+
+
+@torch.library.custom_op("magi::ce_all_gather", mutates_args=())
+def ce_all_gather(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    return gather([shard], group_size, group_name)[0]
+
+
+@torch.library.custom_op("magi::ce_all_gather_coalesced", mutates_args=())
+def ce_all_gather_coalesced(
+    shards: list[torch.Tensor], group_size: int, group_name: str
+) -> list[torch.Tensor]:
+    return gather(shards, group_size, group_name)
+
+
+@torch.library.custom_op(
+    "magi::ce_bind",
+    mutates_args={"shards"},
+    schema="(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names) -> ()",
+)
+def ce_bind(shards, group_sizes, group_names, names) -> None:
+    from .passes.bind_step import run_bind_step
+
+    run_bind_step(shards, group_sizes, group_names, names)
+
+
+from . import fake_impls  # noqa: E402,F401  (registers the fake impls beside the ops)

@@ -1,0 +1,53 @@
+"""The run-time bind step: what ``magi::ce_bind`` does when a compiled graph runs.
+
+# NOTE [run-time bind]
+Binding needs the live shards (a window must hold the weight itself), and a post-grad pass
+does not run at all on an FX-graph-cache hit; a collective inside a compile pass would hang
+when one rank hits the cache and another misses. So the passes only decide (from graph
+facts identical on every rank) and insert one ``magi::ce_bind`` at the head of the graph.
+Its first run agrees, opens windows, moves the shards and pays one publish barrier; every
+rank executes the same generated code, so the collectives line up. Later runs find every
+shard already bound (or marked Fallback) and return after one lookup per shard.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import windows as W
+
+log = logging.getLogger("torch_ce")
+
+
+# Steps whose shards are all bound or refused, keyed by (names, first shard's address):
+# after binding that address is a window slot, unique while the windows live.
+_done: set = set()
+W.on_release(_done.clear)
+
+
+def run_bind_step(shards, group_sizes, group_names, names) -> None:
+    if not shards:
+        return
+    key = (tuple(names), shards[0].data_ptr())
+    if key in _done:
+        return
+    if all(W.lookup(s) is not None for s in shards):
+        _done.add(key)
+        return
+    from ..binding import Candidate, bind_candidates, local_reason
+    from ..config import config
+
+    resolve = torch._C._distributed_c10d._resolve_process_group
+    cands = []
+    for t, gs, gname, name in zip(shards, group_sizes, group_names, names):
+        pg = resolve(gname)
+        reason = local_reason(t, pg, config.min_shard_bytes)
+        if reason is None and pg.size() != gs:
+            reason = f"group size {pg.size()} != gather group size {gs}"
+        cands.append(Candidate(name, t, pg, reason))
+    res = bind_candidates(cands)
+    from .. import report
+
+    report.record_bind(res)
+    _done.add((tuple(names), shards[0].data_ptr()))

@@ -1,0 +1,47 @@
+"""What torch_ce did, as data: refusals per graph, binds, windows. ``torch_ce.explain()``
+turns it into a dataclass and a readable table."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+_lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """One compiled graph's decisions (filled by the pass manager)."""
+
+    graph_id: int
+    transport: str
+    bound: list = dataclasses.field(default_factory=list)  # dicts: name, bytes, bucket
+    refused: list = dataclasses.field(default_factory=list)  # dicts: name, reason
+    buckets: list = dataclasses.field(default_factory=list)  # dicts: kind, members, bytes
+    reorder: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def refusal_counts(self) -> dict:
+        return dict(collections.Counter(r["reason"] for r in self.refused))
+
+
+graphs: list[GraphRecord] = []
+binds: list = []  # BindResult per run-time bind
+
+
+def new_graph(transport: str) -> GraphRecord:
+    with _lock:
+        g = GraphRecord(len(graphs), transport)
+        graphs.append(g)
+        return g
+
+
+def record_bind(res) -> None:
+    with _lock:
+        binds.append(res)
+
+
+def clear() -> None:
+    with _lock:
+        graphs.clear()
+        binds.clear()
