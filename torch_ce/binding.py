@@ -192,6 +192,12 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
         for c in todo:
             res.skipped[c.name] = c.reason or "world size 1: nothing to gather"
         return res
+    if dist.get_backend(agree_group) == "fake":
+        # A fake process group has no peers whose windows could be read.
+        for c in todo:
+            res.skipped[c.name] = "fake process group: no peers to read from"
+            _mark_fallback(c, res.skipped[c.name])
+        return res
 
     agreed, reasons, job = agree(todo, agree_group)
     chosen: list[Candidate] = []

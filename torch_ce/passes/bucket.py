@@ -1,0 +1,105 @@
+"""Bucket: program-adjacent weight gathers of one group coalesce into one launch.
+
+A run is a sequence of weight gathers with nothing but other gathers between them. It
+breaks at a group or dtype change, at the size cap (``bucket_size_mib``), and on the bind
+flag, so a bucket is all-bound (``magi.ce_all_gather_coalesced``: one copy-engine
+submission) or all-unbound (``all_gather_into_tensor_coalesced``: one NCCL launch).
+
+Before::
+
+    %ag0 : magi.ce_all_gather(%w0, 2, '0')
+    %ag1 : magi.ce_all_gather(%w1, 2, '0')
+    ...  %wt0 : wait_tensor(%ag0) ... %wt1 : wait_tensor(%ag1)
+
+After::
+
+    %co : magi.ce_all_gather_coalesced([%w0, %w1], 2, '0')
+    %g0 : getitem(%co, 0)
+    %g1 : getitem(%co, 1)
+    ...  %wt0 : wait_tensor(%g0) ... %wt1 : wait_tensor(%g1)
+
+Each member's wait stays where it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch.fx as fx
+
+from ..config import Config
+from . import fx_utils as U
+from .gate import Seed
+
+
+@dataclasses.dataclass
+class Bucket:
+    members: list[Seed]
+    bound: bool
+    node: fx.Node | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.members)
+
+
+def _key(s: Seed) -> tuple:
+    return (s.group_size, s.group_name, str(s.shard.meta["val"].dtype), s.eligible)
+
+
+def _runs(graph: fx.Graph, seeds: list[Seed]) -> list[list[Seed]]:
+    by_node = {s.gather: s for s in seeds}
+    runs, cur = [], []
+    for n in graph.nodes:
+        s = by_node.get(n)
+        if s is not None:
+            cur.append(s)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return runs
+
+
+def plan_buckets(graph: fx.Graph, seeds: list[Seed], cfg: Config) -> list[Bucket]:
+    """Split program-adjacent runs of weight gathers into buckets (no graph change)."""
+    cap = cfg.bucket_cap_bytes
+    buckets: list[Bucket] = []
+    for run in _runs(graph, [s for s in seeds if s.wait is not None and s.coalescable]):
+        cur: list[Seed] = []
+        for s in run:
+            if cur and (_key(s) != _key(cur[-1]) or (cap and sum(m.nbytes for m in cur) + s.nbytes > cap)):
+                buckets.append(Bucket(cur, cur[0].eligible))
+                cur = []
+            cur.append(s)
+        if cur:
+            buckets.append(Bucket(cur, cur[0].eligible))
+    return buckets
+
+
+def bucket(graph: fx.Graph, seeds: list[Seed], cfg: Config) -> list[Bucket]:
+    """Coalesce each multi-member bucket in place; single members stay as they are."""
+    buckets = plan_buckets(graph, seeds, cfg)
+    for b in buckets:
+        if len(b.members) < 2:
+            b.node = b.members[0].gather
+            continue
+        first = b.members[0]
+        target = U.magi.ce_all_gather_coalesced.default if b.bound else U.ALL_GATHER_COALESCED
+        with graph.inserting_before(first.gather):
+            co = graph.call_function(
+                target, ([s.shard for s in b.members], first.group_size, first.group_name)
+            )
+            co.meta["val"] = [s.gather.meta.get("val") for s in b.members]
+        prev = co
+        for i, s in enumerate(b.members):
+            with graph.inserting_after(prev):
+                item = graph.call_function(operator.getitem, (co, i))
+            item.meta["val"] = s.gather.meta.get("val")
+            s.gather.replace_all_uses_with(item)
+            graph.erase_node(s.gather)
+            s.gather = item
+            prev = item
+        b.node = co
+    return buckets

@@ -1,0 +1,170 @@
+"""Gate: which weight all-gathers may move to the copy engine, and why the rest may not.
+
+Decisions use only facts that are identical on every rank (the graph, its meta values, the
+AOT metadata, the config), so every rank decides the same and the FX graph cache stays
+valid across ranks. A gather is eligible when:
+
+  * the graph is an inference graph (NOTE [inference only]);
+  * its input is exactly a parameter's local shard: a placeholder, no cast, no pad, no view;
+  * it is a single even Shard(0) gather: its output is used as is (an uneven Shard(0) is
+    sliced after the wait; Shard(1) is re-split; a 2-D placement is gathered again);
+  * the shard is contiguous, static-shaped, on a device the transport serves, and at least
+    ``symm_min_shard_mib`` large.
+
+# NOTE [inference only]
+There is no step barrier: a peer reads a weight whenever it gathers. An in-place update on
+one rank could race another rank's read, so graphs that need gradients or mutate weights
+keep NCCL.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from ..config import Config
+from . import fx_utils as U
+
+aten = torch.ops.aten
+
+# Producers that tell why a gather input is not the local shard itself.
+_CAST_OPS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+_PAD_OPS = {aten.constant_pad_nd.default}
+_RESPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+_SLICE_OPS = {aten.slice.Tensor, aten.narrow.default}
+
+
+@dataclasses.dataclass
+class Seed:
+    """One weight all-gather and the gate's verdict on it."""
+
+    gather: fx.Node
+    shard: fx.Node  # the gather input
+    wait: fx.Node | None
+    group_size: int
+    group_name: str
+    reason: str | None = None  # None: eligible
+    nbytes: int = 0
+    # May share an NCCL bucket when refused: its gather looks the same on every rank
+    # (input a placeholder, output used as is). Uneven shards are padded on some ranks
+    # only, so their graphs differ and coalescing them could mismatch NCCL launches.
+    coalescable: bool = False
+
+    @property
+    def eligible(self) -> bool:
+        return self.reason is None
+
+
+def _placeholder_index(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+
+
+def _aot_metadata():
+    try:
+        from torch._guards import TracingContext
+
+        tc = TracingContext.try_get()
+        return tc.fw_metadata if tc is not None else None
+    except Exception:
+        return None
+
+
+def graph_reason(graph: fx.Graph) -> str | None:
+    """Why no gather of this graph may use CE (None: an inference graph)."""
+    for n in graph.nodes:
+        if n.op == "placeholder" and n.name.startswith("tangents"):
+            return "graph needs gradients (backward graph): CE is inference-only"
+    md = _aot_metadata()
+    if md is not None:
+        if any(getattr(i, "requires_grad", False) for i in md.input_info):
+            return "graph needs gradients (training): CE is inference-only"
+        if any(getattr(i, "mutates_data", False) for i in md.input_info):
+            return "graph mutates its inputs (weights may change): CE is inference-only"
+    return None
+
+
+def _is_weight(ph: fx.Node, idx: int) -> bool:
+    desc = ph.meta.get("desc")
+    if desc is not None and getattr(desc, "attr", None) == "_local_tensor":
+        return True
+    md = _aot_metadata()
+    if md is not None and md.static_input_indices is not None:
+        return idx in md.static_input_indices
+    return desc is None  # hand-built graphs: trust the caller
+
+
+def _input_reason(x: fx.Node) -> str:
+    """Why a non-placeholder gather input is not a parameter's local shard."""
+    seen, cur = 0, x
+    while cur.op == "call_function" and seen < 8:
+        if cur.target in _CAST_OPS:
+            return "cast before gather (store inference weights in the compute dtype)"
+        if cur.target in _PAD_OPS:
+            return "pad before gather (uneven Shard(0))"
+        if U.is_wait(cur):
+            return "gather of a gathered tensor (multi-dim placement)"
+        tensor_args = [a for a in cur.args if isinstance(a, fx.Node)]
+        if len(tensor_args) != 1:
+            break
+        cur, seen = tensor_args[0], seen + 1
+    return "gather input is not directly a graph input"
+
+
+def _output_reason(wait: fx.Node | None) -> str | None:
+    if wait is None:
+        return "gather without a single wait_tensor"
+    for u in wait.users:
+        if u.op != "call_function":
+            continue
+        if u.target in _SLICE_OPS and (len(u.args) < 2 or u.args[1] == 0):
+            return "uneven Shard(0) (gathered rows are sliced)"
+        if u.target in _RESPLIT_OPS:
+            return "not Shard(0) (gathered rows are re-split)"
+        if U.is_all_gather(u):
+            return "gather of a gathered tensor (multi-dim placement)"
+    return None
+
+
+def gate(graph: fx.Graph, cfg: Config) -> list[Seed]:
+    """Every all_gather_into_tensor of the graph with its verdict, in program order."""
+    seeds: list[Seed] = []
+    whole = graph_reason(graph)
+    ph_index = _placeholder_index(graph)
+    for g in U.find_op_nodes(graph, U.ALL_GATHER):
+        x, gs, gname = g.args[0], g.args[1], g.args[2]
+        seed = Seed(g, x, U.wait_of(g), int(gs), str(gname))
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        seed.nbytes = U.nbytes(val) or 0 if val is not None else 0
+        seed.reason = whole or _seed_reason(seed, val, ph_index, cfg)
+        seed.coalescable = (
+            whole is None and x.op == "placeholder" and _output_reason(seed.wait) is None
+        )
+        seeds.append(seed)
+    return seeds
+
+
+def _seed_reason(seed: Seed, val, ph_index, cfg: Config) -> str | None:
+    x = seed.shard
+    if seed.group_size < 2:
+        return "group of size 1: nothing to gather"
+    if x.op != "placeholder":
+        return _input_reason(x)
+    if not _is_weight(x, ph_index[x]):
+        return "gather input is a graph input that is not a parameter"
+    out = _output_reason(seed.wait)
+    if out:
+        return out
+    if val is None:
+        return "no shape information"
+    if U.nbytes(val) is None:
+        return "dynamic shard shape"
+    if not val.is_contiguous():
+        return "non-contiguous shard"
+    if val.device.type == "cpu" and not cfg.host_transport:
+        return "CPU tensor with the CUDA copy-engine transport (host transport off)"
+    if val.device.type not in ("cpu", "cuda"):
+        return f"unsupported device {val.device.type}"
+    if seed.nbytes < cfg.min_shard_bytes:
+        return f"shard below symm_min_shard_mib ({cfg.symm_min_shard_mib} MiB)"
+    return None

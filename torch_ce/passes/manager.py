@@ -1,0 +1,187 @@
+"""The pass manager: runs gate -> plan -> rewrite -> bucket on each post-grad graph, and
+installs / removes torch_ce in ``torch._inductor.config`` exactly.
+
+Order (DESIGN.md, "The pipeline"): gate decides per gather; plan groups the eligible shards
+into pools; rewrite retargets them and inserts the bind step; bucket coalesces adjacent
+gathers. The reorder (``reorder.py``) runs later, on Inductor's scheduler nodes.
+
+The manager is a ``CustomGraphPass`` whose ``uuid()`` hashes the pass sources and every
+config value that changes the output, so the FX graph cache stays on and stays correct.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import inspect
+import logging
+import sys
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .. import report
+from ..config import config, update
+from . import bucket as bucket_mod
+from . import fx_utils, gate as gate_mod, plan as plan_mod, rewrite as rewrite_mod
+
+log = logging.getLogger("torch_ce")
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    from .. import __version__
+
+    h.update(__version__.encode())
+    for mod in (fx_utils, gate_mod, plan_mod, rewrite_mod, bucket_mod, sys.modules[__name__]):
+        h.update(inspect.getsource(mod).encode())
+    return h.hexdigest()
+
+
+def run_passes(graph: fx.Graph) -> report.GraphRecord | None:
+    """gate -> plan -> rewrite -> bucket on one post-grad graph (transport copy_engine)."""
+    if config.transport != "copy_engine":
+        return None
+    seeds = gate_mod.gate(graph, config)
+    if not seeds:
+        return None
+    rec = report.new_graph(config.transport)
+    p = plan_mod.plan(seeds, config)
+    bind_node = rewrite_mod.rewrite(graph, p)
+    refused_whole = gate_mod.graph_reason(graph)
+    buckets = [] if refused_whole else bucket_mod.bucket(graph, seeds, config)
+    for s in seeds:
+        if s.eligible:
+            ps = next(x for x in p.shards if x.node is s.shard)
+            rec.bound.append(dict(name=s.shard.name, bytes=s.nbytes, group=s.group_name,
+                                  window=ps.window, offset=ps.offset))
+        else:
+            rec.refused.append(dict(name=getattr(s.shard, "name", str(s.shard)), reason=s.reason))
+    for b in buckets:
+        rec.buckets.append(dict(kind="ce" if b.bound else "collective",
+                                members=[m.shard.name for m in b.members], bytes=b.nbytes))
+    graph.lint()
+    gm = graph.owning_module
+    if gm is not None:
+        gm.recompile()
+    counts = collections.Counter(r["reason"] for r in rec.refused)
+    log.info(
+        "torch_ce: graph %d: %d gather(s) -> copy engine (%.1f MiB, %d bucket(s), bind step %s); "
+        "%d refused %s",
+        rec.graph_id, len(rec.bound), sum(b["bytes"] for b in rec.bound) / 2**20,
+        sum(1 for b in buckets if b.bound), "inserted" if bind_node is not None else "none",
+        len(rec.refused), dict(counts) if counts else "",
+    )
+    return rec
+
+
+class TorchCEPass(CustomGraphPass):
+    """torch_ce's post-grad pass, cache-safe through ``uuid()``."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        run_passes(graph)
+
+    def uuid(self) -> Any:
+        return hashlib.sha256(
+            (_source_hash() + repr(config.cache_key())).encode()
+        ).hexdigest()
+
+
+class _Chained(CustomGraphPass):
+    """A pass the user had installed, then ours (2.11 takes one callable per hook)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.first(graph)
+        self.second(graph)
+
+    def uuid(self) -> Any:
+        u = getattr(self.first, "uuid", None)
+        first = u() if callable(u) else None
+        if first is None:  # a bare function bypasses the caches, as it did before us
+            return None
+        return hashlib.sha256((str(first) + str(self.second.uuid())).encode()).hexdigest()
+
+
+# Inductor settings that fight ours while torch_ce is on (NOTE in DESIGN.md: they only
+# match all_gather_into_tensor, and 2.11's overlap scheduler crashes on our buckets).
+_OFF = [
+    ("bucket_all_gathers_fx", "none"),
+    ("aten_distributed_optimizations.enable_overlap_scheduling", False),
+    ("aten_distributed_optimizations.enable_low_contention_collectives", False),
+]
+
+_saved: dict[str, Any] | None = None
+_pass = TorchCEPass()
+
+
+def _get(cfg, dotted: str):
+    obj = cfg
+    *head, last = dotted.split(".")
+    for h in head:
+        obj = getattr(obj, h, None)
+        if obj is None:
+            return _MISSING
+    return getattr(obj, last, _MISSING)
+
+
+def _set(cfg, dotted: str, value) -> None:
+    obj = cfg
+    *head, last = dotted.split(".")
+    for h in head:
+        obj = getattr(obj, h)
+    setattr(obj, last, value)
+
+
+_MISSING = object()
+
+
+def enable(**overrides: Any):
+    """Install torch_ce's passes in ``torch._inductor.config`` (idempotent)."""
+    global _saved
+    import torch._inductor.config as ic
+
+    if overrides:
+        update(**overrides)
+    if _saved is None:
+        keys = ["post_grad_custom_post_pass", "reorder_for_compute_comm_overlap",
+                "reorder_for_compute_comm_overlap_passes", "estimate_op_runtime"]
+        keys += [k for k, _ in _OFF]
+        _saved = {k: _get(ic, k) for k in keys}
+        prev = _saved["post_grad_custom_post_pass"]
+        if prev is None:
+            ic.post_grad_custom_post_pass = _pass
+        elif isinstance(prev, (list, tuple)):
+            ic.post_grad_custom_post_pass = type(prev)([*prev, _pass])
+        else:
+            ic.post_grad_custom_post_pass = _Chained(prev, _pass)
+        for k, v in _OFF:
+            if _saved[k] is not _MISSING:
+                _set(ic, k, v)
+        if config.reorder:
+            from .reorder import install as install_reorder
+
+            install_reorder(ic)
+    log.info("torch_ce: enabled (transport=%s)", config.transport)
+    return config
+
+
+def disable() -> None:
+    """Restore every Inductor setting enable() changed, exactly."""
+    global _saved
+    import torch._inductor.config as ic
+
+    if _saved is None:
+        return
+    for k, v in _saved.items():
+        if v is not _MISSING:
+            _set(ic, k, v)
+    _saved = None
+    log.info("torch_ce: disabled")
+
+
+def is_enabled() -> bool:
+    return _saved is not None

@@ -1,0 +1,5 @@
+"""Latest-safe-launch reorder (work in progress)."""
+
+
+def install(ic) -> None:
+    pass
