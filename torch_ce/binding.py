@@ -258,11 +258,23 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
     for c, slot in slots:
         _transport(slot.window.device).publish_slot(slot)
         W.register(c.tensor, slot)
+    if slots and config.cost_mode == "calibrated":
+        _calibrate(max((s for _, s in slots), key=lambda s: s.window.nbytes))
     if res.bound or res.skipped:
         log.info("torch_ce.bind: %s", res)
     for name, why in res.skipped.items():
         log.debug("torch_ce.bind: %s stays on the collective backend: %s", name, why)
     return res
+
+
+def _calibrate(slot: W.Slot) -> None:
+    """Time wait(launch()) on the fresh windows for the reorder's cost curve (local only)."""
+    from .passes import cost
+
+    try:
+        cost.calibrate(slot)
+    except Exception as e:  # calibration is an optimisation: never fail a bind for it
+        log.warning("torch_ce: cost calibration failed (%s); using the default curve", e)
 
 
 def _named(params: Any) -> list[tuple[str, torch.Tensor]]:

@@ -76,7 +76,7 @@ def gather(shards: Sequence[torch.Tensor], group_size: int, group_name: str) -> 
             bound_idx.append(i)
             slots.append(entry)
         elif isinstance(entry, W.Fallback):
-            outs[i] = _FUNCTIONAL.all_gather_into_tensor(s, group_size, group_name)
+            outs[i] = _FUNCTIONAL.all_gather_into_tensor(s.contiguous(), group_size, group_name)
         else:
             raise _unbound_error(s, group_name)
     if slots:

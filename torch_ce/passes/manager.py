@@ -109,6 +109,9 @@ class _Chained(CustomGraphPass):
 # Inductor settings that fight ours while torch_ce is on (NOTE in DESIGN.md: they only
 # match all_gather_into_tensor, and 2.11's overlap scheduler crashes on our buckets).
 _OFF = [
+    # Hoists every collective to the top of the graph, which would make all weight gathers
+    # "program-adjacent" (one bucket) and leave our reorder nothing to place.
+    ("reorder_for_locality", False),
     ("bucket_all_gathers_fx", "none"),
     ("aten_distributed_optimizations.enable_overlap_scheduling", False),
     ("aten_distributed_optimizations.enable_low_contention_collectives", False),
@@ -146,6 +149,9 @@ def enable(**overrides: Any):
 
     if overrides:
         update(**overrides)
+    from ..inductor_lowering import register_lowerings
+
+    register_lowerings()
     if _saved is None:
         keys = ["post_grad_custom_post_pass", "reorder_for_compute_comm_overlap",
                 "reorder_for_compute_comm_overlap_passes", "estimate_op_runtime"]
