@@ -1,0 +1,42 @@
+"""``torch-ce``: the console script.
+
+    torch-ce demo                 the README's main job (GPUs if >= 2, else 2 CPU ranks)
+    torch-ce bench ops [...]      CE vs NCCL gather latency / bandwidth / SM contention
+    torch-ce bench e2e [...]      compiled SimpleFSDP decoder: NCCL vs CE vs no-comm bound
+    torch-ce explain              print what torch_ce did in this process (for scripts)
+
+The bench commands launch their own ranks (one process per GPU) unless run under torchrun.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: torch-ce {demo,bench ops,bench e2e} [options]  (torch-ce <cmd> --help)"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest) or 0
+    if cmd == "bench":
+        if not rest or rest[0] not in ("ops", "e2e"):
+            print(usage, file=sys.stderr)
+            return 2
+        if rest[0] == "ops":
+            from .bench.ops import main as ops_main
+
+            return ops_main(rest[1:]) or 0
+        from .bench.e2e import main as e2e_main
+
+        return e2e_main(rest[1:]) or 0
+    print(usage, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
