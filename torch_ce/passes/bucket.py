@@ -1,6 +1,7 @@
 """Bucket: program-adjacent weight gathers of one group coalesce into one launch.
 
-A run is a sequence of weight gathers with nothing but other gathers between them. It
+A run is a sequence of weight gathers with nothing but other gathers and their waits
+between them (``to_local()`` waits right after each gather). It
 breaks at a group or dtype change, at the size cap (``bucket_size_mib``), and on the bind
 flag, so a bucket is all-bound (``magi.ce_all_gather_coalesced``: one copy-engine
 submission) or all-unbound (``all_gather_into_tensor_coalesced``: one NCCL launch).
@@ -48,13 +49,14 @@ def _key(s: Seed) -> tuple:
 
 
 def _runs(graph: fx.Graph, seeds: list[Seed]) -> list[list[Seed]]:
+    """Runs of gathers with nothing but gathers and waits between them."""
     by_node = {s.gather: s for s in seeds}
     runs, cur = [], []
     for n in graph.nodes:
         s = by_node.get(n)
         if s is not None:
             cur.append(s)
-        elif cur:
+        elif cur and not U.is_wait(n):
             runs.append(cur)
             cur = []
     if cur:

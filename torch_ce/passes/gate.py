@@ -70,11 +70,14 @@ def _aot_metadata():
         return None
 
 
-def graph_reason(graph: fx.Graph) -> str | None:
+def graph_reason(graph: fx.Graph, is_inference: bool | None = None) -> str | None:
     """Why no gather of this graph may use CE (None: an inference graph)."""
+    if is_inference is False:
+        return "graph needs gradients (training): CE is inference-only"
     for n in graph.nodes:
-        if n.op == "placeholder" and n.name.startswith("tangents"):
-            return "graph needs gradients (backward graph): CE is inference-only"
+        # AOTAutograd names the inputs of training graphs primals_* / tangents_*.
+        if n.op == "placeholder" and n.name.startswith(("primals_", "tangents_")):
+            return "graph needs gradients (training): CE is inference-only"
     md = _aot_metadata()
     if md is not None:
         if any(getattr(i, "requires_grad", False) for i in md.input_info):
@@ -96,19 +99,23 @@ def _is_weight(ph: fx.Node, idx: int) -> bool:
 
 def _input_reason(x: fx.Node) -> str:
     """Why a non-placeholder gather input is not a parameter's local shard."""
-    seen, cur = 0, x
-    while cur.op == "call_function" and seen < 8:
-        if cur.target in _CAST_OPS:
-            return "cast before gather (store inference weights in the compute dtype)"
-        if cur.target in _PAD_OPS:
-            return "pad before gather (uneven Shard(0))"
-        if U.is_wait(cur):
-            return "gather of a gathered tensor (multi-dim placement)"
+    seen, cur = [], x
+    while cur.op == "call_function" and len(seen) < 8:
+        seen.append(cur)
         tensor_args = [a for a in cur.args if isinstance(a, fx.Node)]
         if len(tensor_args) != 1:
             break
-        cur, seen = tensor_args[0], seen + 1
-    return "gather input is not directly a graph input"
+        cur = tensor_args[0]
+    if cur.op != "placeholder" or any(U.is_wait(n) for n in seen):
+        if any(U.is_wait(n) for n in seen):
+            return "gather of a gathered tensor (multi-dim placement)"
+        return "gather input is not directly a graph input"
+    targets = {n.target for n in seen}
+    if targets & _CAST_OPS:
+        return "cast before gather (store inference weights in the compute dtype)"
+    if targets & _PAD_OPS:
+        return "pad before gather (uneven Shard(0))"
+    return "gather input is a view or copy of a graph input, not the shard itself"
 
 
 def _output_reason(wait: fx.Node | None) -> str | None:
@@ -126,10 +133,10 @@ def _output_reason(wait: fx.Node | None) -> str | None:
     return None
 
 
-def gate(graph: fx.Graph, cfg: Config) -> list[Seed]:
+def gate(graph: fx.Graph, cfg: Config, is_inference: bool | None = None) -> list[Seed]:
     """Every all_gather_into_tensor of the graph with its verdict, in program order."""
     seeds: list[Seed] = []
-    whole = graph_reason(graph)
+    whole = graph_reason(graph, is_inference)
     ph_index = _placeholder_index(graph)
     for g in U.find_op_nodes(graph, U.ALL_GATHER):
         x, gs, gname = g.args[0], g.args[1], g.args[2]
@@ -166,5 +173,5 @@ def _seed_reason(seed: Seed, val, ph_index, cfg: Config) -> str | None:
     if val.device.type not in ("cpu", "cuda"):
         return f"unsupported device {val.device.type}"
     if seed.nbytes < cfg.min_shard_bytes:
-        return f"shard below symm_min_shard_mib ({cfg.symm_min_shard_mib} MiB)"
+        return f"shard below symm_min_shard_mib ({seed.nbytes} B < {cfg.min_shard_bytes} B)"
     return None

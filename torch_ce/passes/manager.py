@@ -21,6 +21,11 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+try:  # torch >= 2.12 tells inference-aware passes whether the graph is an inference graph
+    from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass as _PassBase
+except ImportError:  # pragma: no cover - older torch: gate.graph_reason falls back on names
+    _PassBase = CustomGraphPass
+
 from .. import report
 from ..config import config, update
 from . import bucket as bucket_mod
@@ -39,17 +44,21 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
-def run_passes(graph: fx.Graph) -> report.GraphRecord | None:
+# Callables run with each graph after our passes (tests record golden dumps here).
+observers: list = []
+
+
+def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.GraphRecord | None:
     """gate -> plan -> rewrite -> bucket on one post-grad graph (transport copy_engine)."""
     if config.transport != "copy_engine":
         return None
-    seeds = gate_mod.gate(graph, config)
+    seeds = gate_mod.gate(graph, config, is_inference)
     if not seeds:
         return None
     rec = report.new_graph(config.transport)
     p = plan_mod.plan(seeds, config)
     bind_node = rewrite_mod.rewrite(graph, p)
-    refused_whole = gate_mod.graph_reason(graph)
+    refused_whole = gate_mod.graph_reason(graph, is_inference)
     buckets = [] if refused_whole else bucket_mod.bucket(graph, seeds, config)
     for s in seeds:
         if s.eligible:
@@ -76,11 +85,13 @@ def run_passes(graph: fx.Graph) -> report.GraphRecord | None:
     return rec
 
 
-class TorchCEPass(CustomGraphPass):
+class TorchCEPass(_PassBase):
     """torch_ce's post-grad pass, cache-safe through ``uuid()``."""
 
-    def __call__(self, graph: fx.Graph) -> None:
-        run_passes(graph)
+    def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
+        run_passes(graph, is_inference)
+        for fn in observers:
+            fn(graph)
 
     def uuid(self) -> Any:
         return hashlib.sha256(
@@ -88,15 +99,18 @@ class TorchCEPass(CustomGraphPass):
         ).hexdigest()
 
 
-class _Chained(CustomGraphPass):
+class _Chained(_PassBase):
     """A pass the user had installed, then ours (2.11 takes one callable per hook)."""
 
     def __init__(self, first, second):
         self.first, self.second = first, second
 
-    def __call__(self, graph: fx.Graph) -> None:
-        self.first(graph)
-        self.second(graph)
+    def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
+        if _PassBase is not CustomGraphPass and isinstance(self.first, _PassBase):
+            self.first(graph, is_inference=is_inference)
+        else:
+            self.first(graph)
+        self.second(graph, is_inference)
 
     def uuid(self) -> Any:
         u = getattr(self.first, "uuid", None)

@@ -1,0 +1,314 @@
+"""Golden FX dumps of what torch_ce's passes do to post-grad graphs.
+
+One process, the fake process group (world size 2, rank 0): tracing and compiling need no
+peers. Each test compiles a small SimpleFSDP-style model with plain torch.compile and
+records the post-grad graph after our passes. Regenerate with EXPECTTEST_ACCEPT=1.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.utils.parametrize as P
+from expecttest import TestCase
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import torch_ce
+from torch_ce import report
+from torch_ce.passes import manager
+
+
+class Gather(nn.Module):
+    """SimpleFSDP's parametrization: the forward turns the shard into the full weight."""
+
+    def __init__(self, dtype=None):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, w):
+        if self.dtype is None:
+            return w.redistribute(placements=[Replicate()]).to_local()
+        return w.redistribute(placements=[Replicate()], forward_dtype=self.dtype).to_local()
+
+
+def shard_weight(mod: nn.Module, mesh, name="weight", cast=None):
+    w = getattr(mod, name)
+    setattr(mod, name, nn.Parameter(distribute_tensor(w.data, mesh, [Shard(0)]), requires_grad=False))
+    P.register_parametrization(mod, name, Gather(cast), unsafe=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_pg():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+class GoldenTest(TestCase):
+    def setUp(self):
+        torch.manual_seed(0)
+        self.mesh = init_device_mesh("cpu", (2,))
+        report.clear()
+        self.graphs: list[str] = []
+        manager.observers.append(self._record)
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(
+            torch._inductor.config.patch(fx_graph_cache=False, compile_threads=1)
+        )
+        torch._dynamo.reset()
+
+    def tearDown(self):
+        manager.observers.remove(self._record)
+        torch_ce.disable()
+        self.stack.close()
+        torch._dynamo.reset()
+        torch_ce.release_all()
+
+    def _record(self, graph):
+        self.graphs.append(str(graph).strip())
+
+    def compile_and_run(self, model, *inputs, **cfg):
+        torch_ce.enable(**cfg)
+        with torch.no_grad():
+            out = torch.compile(model)(*inputs)
+            ref = model(*inputs)
+        # The fake group returns garbage data, but the shapes must match eager.
+        self.assertEqual(out.shape, ref.shape)
+        self.assertEqual(len(self.graphs), 1)
+        return self.graphs[0]
+
+    def mlp(self, dims=(8, 16, 8)):
+        m = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in zip(dims, dims[1:])])
+        for lin in m:
+            shard_weight(lin, self.mesh)
+        return m
+
+    def test_all_eligible(self):
+        g = self.compile_and_run(self.mlp(), torch.randn(4, 8), transport="copy_engine")
+        self.assertExpectedInline(g, """\
+graph():
+    %arg0_1 : [num_users=2] = placeholder[target=arg0_1]
+    %arg1_1 : [num_users=0] = placeholder[target=arg1_1]
+    %arg2_1 : [num_users=1] = placeholder[target=arg2_1]
+    %arg3_1 : [num_users=2] = placeholder[target=arg3_1]
+    %arg4_1 : [num_users=0] = placeholder[target=arg4_1]
+    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg3_1], [2, 2], [0, 0], [arg0_1, arg3_1]), kwargs = {})
+    %all_gather_into_tensor : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg0_1, 2, 0), kwargs = {})
+    %wait_tensor : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor,), kwargs = {})
+    %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor, [1, 0]), kwargs = {})
+    %mm : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg2_1, %permute), kwargs = {})
+    %all_gather_into_tensor_1 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg3_1, 2, 0), kwargs = {})
+    %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_1,), kwargs = {})
+    %permute_1 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_1, [1, 0]), kwargs = {})
+    %mm_1 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%mm, %permute_1), kwargs = {})
+    return (mm_1,)""")
+        rec = report.graphs[-1]
+        self.assertEqual(len(rec.bound), 2)
+        self.assertEqual(rec.refused, [])
+
+    def test_transport_nccl_untouched(self):
+        g = self.compile_and_run(self.mlp(), torch.randn(4, 8), transport="nccl")
+        self.assertNotIn("magi", g)
+        self.assertExpectedInline(g, """\
+graph():
+    %arg0_1 : [num_users=1] = placeholder[target=arg0_1]
+    %arg1_1 : [num_users=0] = placeholder[target=arg1_1]
+    %arg2_1 : [num_users=1] = placeholder[target=arg2_1]
+    %arg3_1 : [num_users=1] = placeholder[target=arg3_1]
+    %arg4_1 : [num_users=0] = placeholder[target=arg4_1]
+    %all_gather_into_tensor : [num_users=1] = call_function[target=torch.ops._c10d_functional.all_gather_into_tensor.default](args = (%arg0_1, 2, 0), kwargs = {})
+    %wait_tensor : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor,), kwargs = {})
+    %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor, [1, 0]), kwargs = {})
+    %mm : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg2_1, %permute), kwargs = {})
+    %all_gather_into_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.all_gather_into_tensor.default](args = (%arg3_1, 2, 0), kwargs = {})
+    %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_1,), kwargs = {})
+    %permute_1 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_1, [1, 0]), kwargs = {})
+    %mm_1 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%mm, %permute_1), kwargs = {})
+    return (mm_1,)""")
+
+    def test_mixed_refusals_stay_on_nccl(self):
+        mesh = self.mesh
+
+        class Mixed(nn.Module):
+            def __init__(s):
+                super().__init__()
+                s.ok = nn.Linear(8, 8, bias=False)
+                s.uneven = nn.Linear(8, 9, bias=False)  # 9 rows over 2 ranks
+                s.cast = nn.Linear(9, 8, bias=False)
+                s.tiny = nn.Linear(8, 2, bias=False)  # below the floor
+                shard_weight(s.ok, mesh)
+                shard_weight(s.uneven, mesh)
+                shard_weight(s.cast, mesh, cast=torch.bfloat16)
+                shard_weight(s.tiny, mesh)
+
+            def forward(s, x):
+                x = s.ok(x)
+                x = s.uneven(x)
+                x = s.cast(x.to(torch.bfloat16)).float()
+                # A gather whose input is not a graph input (an activation).
+                y = torch.distributed._functional_collectives.all_gather_tensor(x * 2, 0, dist.group.WORLD)
+                return s.tiny(x) + y[: x.shape[0], :2]
+
+        g = self.compile_and_run(Mixed(), torch.randn(4, 8), transport="copy_engine",
+                                 symm_min_shard_mib=100 / 2**20)
+        self.assertExpectedInline(g, """\
+graph():
+    %arg0_1 : [num_users=2] = placeholder[target=arg0_1]
+    %arg1_1 : [num_users=0] = placeholder[target=arg1_1]
+    %arg2_1 : [num_users=1] = placeholder[target=arg2_1]
+    %arg3_1 : [num_users=1] = placeholder[target=arg3_1]
+    %arg4_1 : [num_users=0] = placeholder[target=arg4_1]
+    %arg5_1 : [num_users=1] = placeholder[target=arg5_1]
+    %arg6_1 : [num_users=0] = placeholder[target=arg6_1]
+    %arg7_1 : [num_users=1] = placeholder[target=arg7_1]
+    %arg8_1 : [num_users=0] = placeholder[target=arg8_1]
+    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1], [2], [0], [arg0_1]), kwargs = {})
+    %all_gather_into_tensor : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg0_1, 2, 0), kwargs = {})
+    %wait_tensor : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor,), kwargs = {})
+    %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor, [1, 0]), kwargs = {})
+    %mm : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg2_1, %permute), kwargs = {})
+    %all_gather_into_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.all_gather_into_tensor.default](args = (%arg3_1, 2, 0), kwargs = {})
+    %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_1,), kwargs = {})
+    %slice_1 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%wait_tensor_1, 0, 0, 9), kwargs = {})
+    %permute_1 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%slice_1, [1, 0]), kwargs = {})
+    %mm_1 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%mm, %permute_1), kwargs = {})
+    %convert_element_type : [num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%mm_1, torch.bfloat16), kwargs = {})
+    %convert_element_type_1 : [num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%arg5_1, torch.bfloat16), kwargs = {})
+    %all_gather_into_tensor_2 : [num_users=1] = call_function[target=torch.ops._c10d_functional.all_gather_into_tensor.default](args = (%convert_element_type_1, 2, 0), kwargs = {})
+    %wait_tensor_2 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_2,), kwargs = {})
+    %permute_2 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_2, [1, 0]), kwargs = {})
+    %mm_2 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%convert_element_type, %permute_2), kwargs = {})
+    %convert_element_type_4 : [num_users=2] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%mm_2, torch.float32), kwargs = {})
+    %mul : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%convert_element_type_4, 2), kwargs = {})
+    %all_gather_into_tensor_3 : [num_users=1] = call_function[target=torch.ops._c10d_functional.all_gather_into_tensor.default](args = (%mul, 2, 0), kwargs = {})
+    %wait_tensor_3 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_3,), kwargs = {})
+    %all_gather_into_tensor_4 : [num_users=1] = call_function[target=torch.ops._c10d_functional.all_gather_into_tensor.default](args = (%arg7_1, 2, 0), kwargs = {})
+    %wait_tensor_4 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_4,), kwargs = {})
+    %permute_3 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_4, [1, 0]), kwargs = {})
+    %slice_2 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%wait_tensor_3, 0, 0, 4), kwargs = {})
+    %slice_3 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%slice_2, 1, 0, 2), kwargs = {})
+    %addmm_default : [num_users=1] = call_function[target=torch.ops.aten.addmm.default](args = (%slice_3, %convert_element_type_4, %permute_3), kwargs = {})
+    return (addmm_default,)""")
+        reasons = sorted(r["reason"] for r in report.graphs[-1].refused)
+        self.assertEqual(len(report.graphs[-1].bound), 1)
+        self.assertTrue(any("uneven" in r for r in reasons), reasons)
+        self.assertTrue(any("cast before gather" in r for r in reasons), reasons)
+        self.assertTrue(any("symm_min_shard_mib" in r for r in reasons), reasons)
+        self.assertTrue(any("not directly a graph input" in r for r in reasons), reasons)
+
+    def test_bucketing_splits_on_dtype_cap_and_bind_flag(self):
+        mesh = self.mesh
+
+        class Stack(nn.Module):
+            """Gathers every weight up front (program-adjacent), then computes."""
+
+            def __init__(s):
+                super().__init__()
+                dts = [torch.float32, torch.float32, torch.bfloat16, torch.float32,
+                       torch.float32, torch.float32, torch.float32]
+                rows = [8, 8, 8, 8, 64, 8, 2]  # the 64-row one breaks the size cap; the
+                s.ws = nn.ParameterList()    # last (2 rows) is below the floor: unbound
+                for r, dt in zip(rows, dts):
+                    w = distribute_tensor(torch.randn(r, 8, dtype=dt), mesh, [Shard(0)])
+                    s.ws.append(nn.Parameter(w, requires_grad=False))
+
+            def forward(s, x):
+                full = [w.redistribute(placements=[Replicate()]).to_local() for w in s.ws]
+                return sum((x @ f.float().t()).sum() for f in full)
+
+        g = self.compile_and_run(Stack(), torch.randn(4, 8), transport="copy_engine",
+                                 bucket_size_mib=600 / 2**20, symm_min_shard_mib=40 / 2**20)
+        self.assertExpectedInline(g, """\
+graph():
+    %arg0_1 : [num_users=2] = placeholder[target=arg0_1]
+    %arg1_1 : [num_users=0] = placeholder[target=arg1_1]
+    %arg2_1 : [num_users=2] = placeholder[target=arg2_1]
+    %arg3_1 : [num_users=0] = placeholder[target=arg3_1]
+    %arg4_1 : [num_users=2] = placeholder[target=arg4_1]
+    %arg5_1 : [num_users=0] = placeholder[target=arg5_1]
+    %arg6_1 : [num_users=2] = placeholder[target=arg6_1]
+    %arg7_1 : [num_users=0] = placeholder[target=arg7_1]
+    %arg8_1 : [num_users=2] = placeholder[target=arg8_1]
+    %arg9_1 : [num_users=0] = placeholder[target=arg9_1]
+    %arg10_1 : [num_users=2] = placeholder[target=arg10_1]
+    %arg11_1 : [num_users=0] = placeholder[target=arg11_1]
+    %arg12_1 : [num_users=1] = placeholder[target=arg12_1]
+    %arg13_1 : [num_users=0] = placeholder[target=arg13_1]
+    %arg14_1 : [num_users=7] = placeholder[target=arg14_1]
+    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg2_1, %arg4_1, %arg6_1, %arg8_1, %arg10_1], [2, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0], [arg0_1, arg2_1, arg4_1, arg6_1, arg8_1, arg10_1]), kwargs = {})
+    %ce_all_gather_coalesced_default : [num_users=2] = call_function[target=torch.ops.magi.ce_all_gather_coalesced.default](args = ([%arg0_1, %arg2_1], 2, 0), kwargs = {})
+    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%ce_all_gather_coalesced_default, 0), kwargs = {})
+    %getitem_1 : [num_users=1] = call_function[target=operator.getitem](args = (%ce_all_gather_coalesced_default, 1), kwargs = {})
+    %wait_tensor : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%getitem,), kwargs = {})
+    %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%getitem_1,), kwargs = {})
+    %all_gather_into_tensor_2 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg4_1, 2, 0), kwargs = {})
+    %wait_tensor_2 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_2,), kwargs = {})
+    %all_gather_into_tensor_3 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg6_1, 2, 0), kwargs = {})
+    %wait_tensor_3 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_3,), kwargs = {})
+    %all_gather_into_tensor_4 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg8_1, 2, 0), kwargs = {})
+    %wait_tensor_4 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_4,), kwargs = {})
+    %all_gather_into_tensor_5 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg10_1, 2, 0), kwargs = {})
+    %wait_tensor_5 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_5,), kwargs = {})
+    %all_gather_into_tensor_6 : [num_users=1] = call_function[target=torch.ops._c10d_functional.all_gather_into_tensor.default](args = (%arg12_1, 2, 0), kwargs = {})
+    %wait_tensor_6 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_6,), kwargs = {})
+    %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor, [1, 0]), kwargs = {})
+    %mm : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg14_1, %permute), kwargs = {})
+    %sum_1 : [num_users=1] = call_function[target=torch.ops.aten.sum.default](args = (%mm,), kwargs = {})
+    %add : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%sum_1, 0), kwargs = {})
+    %permute_1 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_1, [1, 0]), kwargs = {})
+    %mm_1 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg14_1, %permute_1), kwargs = {})
+    %sum_2 : [num_users=1] = call_function[target=torch.ops.aten.sum.default](args = (%mm_1,), kwargs = {})
+    %add_1 : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%add, %sum_2), kwargs = {})
+    %convert_element_type : [num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%wait_tensor_2, torch.float32), kwargs = {})
+    %permute_2 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%convert_element_type, [1, 0]), kwargs = {})
+    %mm_2 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg14_1, %permute_2), kwargs = {})
+    %sum_3 : [num_users=1] = call_function[target=torch.ops.aten.sum.default](args = (%mm_2,), kwargs = {})
+    %add_2 : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%add_1, %sum_3), kwargs = {})
+    %permute_3 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_3, [1, 0]), kwargs = {})
+    %mm_3 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg14_1, %permute_3), kwargs = {})
+    %sum_4 : [num_users=1] = call_function[target=torch.ops.aten.sum.default](args = (%mm_3,), kwargs = {})
+    %add_3 : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%add_2, %sum_4), kwargs = {})
+    %permute_4 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_4, [1, 0]), kwargs = {})
+    %mm_4 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg14_1, %permute_4), kwargs = {})
+    %sum_5 : [num_users=1] = call_function[target=torch.ops.aten.sum.default](args = (%mm_4,), kwargs = {})
+    %add_4 : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%add_3, %sum_5), kwargs = {})
+    %permute_5 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_5, [1, 0]), kwargs = {})
+    %mm_5 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg14_1, %permute_5), kwargs = {})
+    %sum_6 : [num_users=1] = call_function[target=torch.ops.aten.sum.default](args = (%mm_5,), kwargs = {})
+    %add_5 : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%add_4, %sum_6), kwargs = {})
+    %permute_6 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_6, [1, 0]), kwargs = {})
+    %mm_6 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg14_1, %permute_6), kwargs = {})
+    %sum_7 : [num_users=1] = call_function[target=torch.ops.aten.sum.default](args = (%mm_6,), kwargs = {})
+    %add_6 : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%add_5, %sum_7), kwargs = {})
+    return (add_6,)""")
+        kinds = [(b["kind"], len(b["members"])) for b in report.graphs[-1].buckets]
+        self.assertExpectedInline(str(kinds), """[('ce', 2), ('ce', 1), ('ce', 1), ('ce', 1), ('ce', 1), ('collective', 1)]""")
+
+
+def test_graph_with_gradients_stays_on_nccl():
+    """A training graph keeps NCCL (CE is inference-only) and still trains correctly."""
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8, bias=False)
+    w = nn.Parameter(distribute_tensor(lin.weight.data.clone(), mesh, [Shard(0)]))
+    report.clear()
+    torch._dynamo.reset()
+    torch_ce.enable(transport="copy_engine")
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            f = torch.compile(lambda x: (x @ w.redistribute(placements=[Replicate()]).to_local().t()).sum())
+            x = torch.randn(4, 8)
+            loss = f(x)
+            loss.backward()
+        assert w.grad is not None
+        refused = [r["reason"] for g in report.graphs for r in g.refused]
+        assert refused and all("gradients" in r for r in refused), refused
+        assert all(not g.bound for g in report.graphs)
+    finally:
+        torch_ce.disable()
+        torch._dynamo.reset()
