@@ -253,6 +253,8 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
             res.bytes_bound += slot.nbytes
     if any(s.window.device.type == "cuda" for _, s in slots):
         torch.cuda.synchronize()
+        # Hand the shards' old blocks back to the driver: no weight held twice.
+        torch.cuda.empty_cache()
     # One publish barrier: after it every slot is readable by every peer.
     dist.barrier(group=agree_group)
     for c, slot in slots:

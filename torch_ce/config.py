@@ -72,6 +72,14 @@ class Config:
     def bucket_cap_bytes(self) -> int:
         return int(self.bucket_size_mib * 2**20)
 
+    def update(self, **overrides: Any) -> "Config":
+        """``torch_ce.config.update(...)``: same as the module-level ``update``."""
+        return update(**overrides)
+
+    def patch(self, **overrides: Any):
+        """``with torch_ce.config.patch(...)``: temporary overrides (tests)."""
+        return patch(**overrides)
+
     def cache_key(self) -> tuple:
         """The values that change what the passes emit (cost_cache_dir does not)."""
         d = dataclasses.asdict(self)

@@ -65,7 +65,11 @@ def _out_like(t: torch.Tensor, group_size: int) -> torch.Tensor:
 def gather(shards: Sequence[torch.Tensor], group_size: int, group_name: str) -> list[torch.Tensor]:
     """Gather a bucket: bound members by one-sided reads (one submission), the rest by
     the collective backend in program order (identical on every rank)."""
-    if group_size == 1:
+    if group_size == 1:  # nothing to gather, unless the shard belongs to a larger group
+        for s in shards:
+            entry = W.lookup(s)
+            if isinstance(entry, W.Slot):
+                _check_group(entry, group_size, group_name)
         return [s.clone() for s in shards]
     outs: list[torch.Tensor | None] = [None] * len(shards)
     bound_idx, slots = [], []

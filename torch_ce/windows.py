@@ -127,6 +127,7 @@ def get_pool(key: tuple, cap_bytes: int) -> WindowPool:
     with _lock:
         if key not in _pools:
             _pools[key] = WindowPool(key, cap_bytes)
+        _pools[key].cap_bytes = cap_bytes  # new windows follow the current config
         return _pools[key]
 
 

@@ -118,13 +118,24 @@ def _input_reason(x: fx.Node) -> str:
     return "gather input is a view or copy of a graph input, not the shard itself"
 
 
+def _truncates_rows(s: fx.Node, wait: fx.Node) -> bool:
+    """A dim-0 slice/narrow that drops gathered rows (a full-range slice is a no-op)."""
+    dim = s.args[1] if len(s.args) > 1 else s.kwargs.get("dim", 0)
+    if dim != 0:
+        return False
+    out, full = s.meta.get("val"), wait.meta.get("val")
+    if out is None or full is None:
+        return True
+    return out.shape[0] != full.shape[0]
+
+
 def _output_reason(wait: fx.Node | None) -> str | None:
     if wait is None:
         return "gather without a single wait_tensor"
     for u in wait.users:
         if u.op != "call_function":
             continue
-        if u.target in _SLICE_OPS and (len(u.args) < 2 or u.args[1] == 0):
+        if u.target in _SLICE_OPS and _truncates_rows(u, wait):
             return "uneven Shard(0) (gathered rows are sliced)"
         if u.target in _RESPLIT_OPS:
             return "not Shard(0) (gathered rows are re-split)"

@@ -197,7 +197,9 @@ def _moved(p: Placement, order: list[Unit]) -> bool:
 def _record(placements: list[Placement], valid: bool) -> None:
     from .. import report
 
-    rec = report.graphs[-1] if report.graphs else report.new_graph("?")
+    from ..config import config
+
+    rec = report.graphs[-1] if report.graphs else report.new_graph(config.transport)
     rec.reorder = dict(
         valid=valid,
         launches=len(placements),

@@ -1,0 +1,115 @@
+"""A small multi-process runner for torch_ce tests.
+
+    results = run_ranks(fn, world_size, *args, timeout=120, backend="gloo", env=None)
+
+Spawns ``world_size`` fresh processes (``spawn`` start method, never fork: each child
+imports torch on its own, as a real job does). Each child sets ``env``, joins a process
+group over TCP on a free local port (for "nccl" it first selects GPU ``rank`` and passes
+``device_id``), runs ``fn(rank, world_size, *args)``, waits at a barrier (peers may still
+be reading this rank's windows), then calls ``torch_ce.release_all()`` and destroys the
+group. ``fn`` must be a module-level function and its return value picklable; the list
+of return values comes back in rank order.
+
+Any rank's exception fails the calling test with that rank's traceback text; a child
+that dies without reporting (crash, kill) fails it with its exit code; if the ranks have
+not all reported after ``timeout`` seconds every child is killed and the test fails with
+"timed out (hang?)". Results travel as plain pickles (tensors are copied, not shared).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import traceback
+
+import pytest
+import torch.multiprocessing as mp
+
+# After the first rank fails, how long the others get to report before they are killed
+# (they are usually stuck in a collective with the dead rank).
+_GRACE_S = 5.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, world_size, port, backend, env, fn, args, q):
+    os.environ.update(env or {})
+    try:
+        import torch
+        import torch.distributed as dist
+
+        kw = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            kw["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}", **kw
+        )
+        try:
+            out = fn(rank, world_size, *args)
+            # Peers may still be reading this rank's windows: leave together.
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            dist.barrier()
+        finally:
+            import torch_ce
+
+            torch_ce.release_all()
+            dist.destroy_process_group()
+        q.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001  (report everything, including SystemExit)
+        q.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn, world_size, *args, timeout=120, backend="gloo", env=None):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; see module doc."""
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, backend, env, fn, args, q), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        while len(results) + len(errors) < world_size:
+            if not q.empty():
+                rank, ok, payload = q.get()
+                (results if ok else errors)[rank] = payload
+                if errors:  # peers of a failed rank usually hang: give them a short grace
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+                continue
+            if time.monotonic() > deadline:
+                timed_out = not errors
+                break
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results and r not in errors]
+            if dead:
+                time.sleep(0.2)  # a report may still be in the pipe
+                if q.empty():
+                    for r in dead:
+                        errors[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+                continue
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(10)
+    if errors:
+        text = "\n".join(f"---- rank {r} ----\n{errors[r]}" for r in sorted(errors))
+        pytest.fail(f"{fn.__name__}: {len(errors)} of {world_size} ranks failed:\n{text}", pytrace=False)
+    if timed_out:
+        missing = sorted(set(range(world_size)) - set(results))
+        pytest.fail(f"{fn.__name__}: timed out (hang?) after {timeout}s; ranks {missing} never finished", pytrace=False)
+    return [pickle.loads(results[r]) for r in range(world_size)]

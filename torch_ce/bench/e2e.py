@@ -1,0 +1,621 @@
+"""``torch-ce bench e2e``: a compiled SimpleFSDP decoder, NCCL vs copy engine vs no-comm bound.
+
+The model of shared/probes/e2e_baseline.py: ``--layers`` decoder layers (RMSNorm, fused
+QKV, SDPA, SwiGLU FFN), bf16, every Linear weight a Shard(0) DTensor over all ranks,
+gathered in the forward by a ``redistribute(Replicate()).to_local()`` parametrization,
+compiled with plain ``torch.compile`` for inference (``torch.no_grad()``). Per token count,
+four variants, each a fresh compile (``torch._dynamo.reset()``) of a fresh model built
+from the same seed, so all compute the same function:
+
+  nccl          torch_ce.enable(transport="nccl")            our reorder, gathers on NCCL
+  ce            torch_ce.enable(transport="copy_engine")     gathers on the copy engines
+  ce_noreorder  torch_ce.enable(transport="copy_engine", reorder=False)
+  bound         the same model replicated on every GPU (no DTensor, no communication)
+
+Reports ms per forward (median of per-iteration CUDA events), CE/NCCL and CE/bound, the
+CE output against the NCCL output, whether the generated code calls the magi ops, and the
+reorder summary. ``--trace`` profiles 3 CE iterations on rank 0 and summarises the
+copy-engine activity and its overlap with compute (no trace file is kept).
+
+Writes ``<out>/e2e_<gpu>_w<world>.json`` (after every variant) and ``e2e_<gpu>_w<world>.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+
+from . import common as C
+
+VARIANTS = ("nccl", "ce", "ce_noreorder", "bound")
+TARGETS_TEXT = "CE <= 0.90x NCCL and CE <= 1.05x the no-communication bound"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="torch-ce bench e2e",
+        description="Compiled SimpleFSDP-style decoder inference on all GPUs: NCCL gathers vs "
+                    "copy-engine gathers (with and without torch_ce's reorder) vs the "
+                    "replicated no-communication bound. Targets: " + TARGETS_TEXT,
+    )
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--heads", type=int, default=0, help="attention heads (default dim // 128)")
+    p.add_argument("--tokens", default="1024,4096", help="token counts, comma-separated (batch 1)")
+    p.add_argument("--iters", type=int, default=20, help="timed forwards per variant (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed forwards first (default 3)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"subset of {','.join(VARIANTS)} (default all)")
+    p.add_argument("--trace", action="store_true",
+                   help="profile 3 CE iterations on rank 0 and summarise copy/compute overlap")
+    p.add_argument("--budget", type=float, default=200.0,
+                   help="soft time budget in s: no new variant starts after it (default 200)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-code", action="store_true",
+                   help="also write rank 0's generated code per variant (first token count) "
+                        "to <out>/e2e_code_<variant>.py")
+    C.add_common_args(p, timeout_s=300)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out = os.path.abspath(args.out)
+    bad = set(C.parse_list(args.variants, str)) - set(VARIANTS)
+    if bad:
+        print(f"torch-ce bench e2e: unknown variants {sorted(bad)}; known {VARIANTS}", flush=True)
+        return 2
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    print(f"torch-ce bench e2e: {args.layers} layers, dim {args.dim}, ffn {args.ffn}, tokens "
+          f"{args.tokens}, out {args.out}", flush=True)
+    t0 = time.monotonic()
+    rc = C.spawn_ranks(_worker, args.nprocs, vars(args), backend=backend, timeout_s=args.timeout)
+    print(f"torch-ce bench e2e: done in {time.monotonic() - t0:.0f} s (exit code {rc})", flush=True)
+    return rc
+
+
+# ---------------------------------------------------------------------------------------
+# The model (shared/probes/e2e_baseline.py, dimensions as arguments)
+# ---------------------------------------------------------------------------------------
+
+
+def _model_classes():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Layer(nn.Module):
+        def __init__(self, dim: int, ffn: int, heads: int):
+            super().__init__()
+            self.dim, self.heads = dim, heads
+            self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+            self.o = nn.Linear(dim, dim, bias=False)
+            self.gate = nn.Linear(dim, ffn, bias=False)
+            self.up = nn.Linear(dim, ffn, bias=False)
+            self.down = nn.Linear(ffn, dim, bias=False)
+            self.n1 = nn.RMSNorm(dim)
+            self.n2 = nn.RMSNorm(dim)
+
+        def forward(self, x):
+            q, k, v = self.qkv(self.n1(x)).chunk(3, -1)
+            B, T, _ = x.shape
+            q, k, v = (t.view(B, T, self.heads, self.dim // self.heads).transpose(1, 2) for t in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, self.dim)
+            x = x + self.o(a)
+            y = self.n2(x)
+            return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+    class Net(nn.Module):
+        def __init__(self, layers: int, dim: int, ffn: int, heads: int):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer(dim, ffn, heads) for _ in range(layers))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class Gather(nn.Module):
+        """SimpleFSDP's forward gather: Shard(0) DTensor -> full local tensor."""
+
+        def forward(self, w):
+            from torch.distributed.tensor import DTensor, Replicate
+
+            return w.redistribute(placements=[Replicate()]).to_local() if isinstance(w, DTensor) else w
+
+    return Net, Gather, torch
+
+
+def build_full(a: dict, dev, seed: int):
+    """The full bf16 model on ``dev`` (same weights for the same seed on every rank)."""
+    Net, _, torch = _model_classes()
+    heads = a["heads"] or max(1, a["dim"] // 128)
+    torch.manual_seed(seed)
+    if dev.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    with torch.device(dev):
+        net = Net(a["layers"], a["dim"], a["ffn"], heads)
+    net = net.to(torch.bfloat16)
+    for p in net.parameters():
+        p.requires_grad_(False)
+    return net.eval()
+
+
+def build_sharded(a: dict, dev, seed: int, mesh, rank: int, world: int):
+    """The same model with every Linear weight a Shard(0) DTensor and a Gather
+    parametrization (SimpleFSDP style); the local shard is a contiguous clone."""
+    import torch.nn as nn
+    import torch.nn.utils.parametrize as P
+    from torch.distributed.tensor import DTensor, Shard
+
+    _, Gather, torch = _model_classes()
+    net = build_full(a, dev, seed)
+    for m in list(net.modules()):
+        if isinstance(m, nn.Linear):
+            w = m.weight.detach()
+            if w.shape[0] % world:
+                raise ValueError(f"weight rows {w.shape[0]} not divisible by world {world}")
+            local = w.chunk(world, 0)[rank].clone()
+            dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            m.weight = nn.Parameter(dt, requires_grad=False)
+            P.register_parametrization(m, "weight", Gather(), unsafe=True)
+            del w
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return net
+
+
+# ---------------------------------------------------------------------------------------
+# Trace summary (pure Python: tested on CPU)
+# ---------------------------------------------------------------------------------------
+
+
+def merge_intervals(iv) -> list[tuple[float, float]]:
+    """Disjoint, sorted union of (start, end) intervals (empty ones dropped)."""
+    out: list[list[float]] = []
+    for s, e in sorted((float(s), float(e)) for s, e in iv if e > s):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def union_length(iv) -> float:
+    return sum(e - s for s, e in merge_intervals(iv))
+
+
+def overlap_length(a, b) -> float:
+    """Length of (union of a) intersected with (union of b)."""
+    A, B = merge_intervals(a), merge_intervals(b)
+    i = j = 0
+    total = 0.0
+    while i < len(A) and j < len(B):
+        lo, hi = max(A[i][0], B[j][0]), min(A[i][1], B[j][1])
+        if hi > lo:
+            total += hi - lo
+        if A[i][1] < B[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _stream(ev: dict):
+    args = ev.get("args") or {}
+    return args.get("stream", ev.get("tid"))
+
+
+def _is_copy(ev: dict) -> bool:
+    cat = str(ev.get("cat", "")).lower()
+    return cat in ("gpu_memcpy", "memcpy") or str(ev.get("name", "")).startswith("Memcpy")
+
+
+def summarize_trace(trace: dict, iterations: int = 1) -> dict:
+    """Copy-engine activity of a Chrome trace (torch.profiler export), in microseconds.
+
+    The copy stream is the stream with the most ``Memcpy PtoP`` / ``Memcpy DtoD`` time;
+    its copies are the CE activity. ``overlap_us`` is how much of that activity (as a
+    union of intervals) runs while some kernel runs on another stream. Also counts the
+    kernels whose name contains "nccl" (a CE variant should have none).
+    """
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in events if str(e.get("cat", "")).lower() == "kernel"]
+    copies = [e for e in events if _is_copy(e)]
+    peer = [e for e in copies if any(k in str(e.get("name", "")) for k in ("PtoP", "DtoD"))]
+    per_stream: dict = {}
+    for e in peer:
+        s = str(_stream(e))
+        d = per_stream.setdefault(s, dict(n=0, us=0.0, bytes=0))
+        d["n"] += 1
+        d["us"] += float(e["dur"])
+        d["bytes"] += int((e.get("args") or {}).get("bytes", 0) or 0)
+    copy_stream = max(per_stream, key=lambda s: per_stream[s]["us"]) if per_stream else None
+    ce = [e for e in peer if str(_stream(e)) == copy_stream]
+    compute = [e for e in kernels if str(_stream(e)) != copy_stream]
+    iv = lambda evs: [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]  # noqa: E731
+    ce_iv, comp_iv = iv(ce), iv(compute)
+    busy = union_length(ce_iv)
+    overlap = overlap_length(ce_iv, comp_iv)
+    gpu_iv = iv(kernels) + iv(copies)
+    span = (max(e for _, e in gpu_iv) - min(s for s, _ in gpu_iv)) if gpu_iv else 0.0
+    names: dict = {}
+    for e in copies:
+        n = str(e.get("name", ""))
+        names[n] = names.get(n, 0) + 1
+    nbytes = per_stream.get(copy_stream, {}).get("bytes", 0) if copy_stream else 0
+    it = max(int(iterations), 1)
+    return dict(
+        iterations=it,
+        copy_stream=copy_stream,
+        copy_streams=per_stream,
+        ce_copies=len(ce),
+        ce_copy_sum_us=round(sum(float(e["dur"]) for e in ce), 1),
+        ce_copy_busy_us=round(busy, 1),
+        ce_copy_busy_us_per_iter=round(busy / it, 1),
+        overlap_with_compute_us=round(overlap, 1),
+        overlap_fraction=round(overlap / busy, 4) if busy else None,
+        exposed_copy_us_per_iter=round((busy - overlap) / it, 1),
+        compute_busy_us=round(union_length(comp_iv), 1),
+        gpu_span_us=round(span, 1),
+        ce_copy_gbps=round(nbytes / busy / 1e3, 1) if busy and nbytes else None,
+        kernels=len(kernels),
+        nccl_kernels=sum("nccl" in str(e.get("name", "")).lower() for e in kernels),
+        memcpy_names=names,
+    )
+
+
+_CALLS = dict(
+    code_magi_ce_all_gather_calls=r"magi\.ce_all_gather(?:_coalesced)?\.default\(",
+    code_magi_ce_bind_calls=r"magi\.ce_bind\.default\(",
+    code_nccl_all_gather_calls=r"_c10d_functional\.all_gather_into_tensor\w*\.default\(",
+)
+
+
+def code_call_counts(code: str) -> dict:
+    """Calls (not comments) of the magi ops and of NCCL all-gathers in generated code."""
+    import re
+
+    return {k: len(re.findall(p, code)) for k, p in _CALLS.items()}
+
+
+def _trace_ce(fn, iterations: int = 3) -> dict:
+    """Profile ``iterations`` calls on this rank; summarise and delete the trace file."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if C.is_cuda():
+        acts.append(ProfilerActivity.CUDA)
+    C.sync()
+    with profile(activities=acts) as prof:
+        for _ in range(iterations):
+            fn()
+        C.sync()
+    fd, path = tempfile.mkstemp(prefix="torch_ce_trace_", suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        size = os.path.getsize(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    s = summarize_trace(trace, iterations)
+    s["trace_file_mib"] = round(size / 2**20, 2)
+    del trace
+    return s
+
+
+# ---------------------------------------------------------------------------------------
+# One rank
+# ---------------------------------------------------------------------------------------
+
+
+def _fresh_caches(rank: int) -> str:
+    """A fresh absolute Inductor cache dir for this process; FX graph / AOT caches off."""
+    d = tempfile.mkdtemp(prefix=f"torch_ce_bench_inductor_r{rank}_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
+    os.environ.pop("TRITON_CACHE_DIR", None)
+    import torch._functorch.config as fc
+    import torch._inductor.config as ic
+
+    ic.fx_graph_cache = False
+    if hasattr(fc, "enable_autograd_cache"):
+        fc.enable_autograd_cache = False
+    return d
+
+
+def _cleanup(torch, torch_ce) -> None:
+    torch._dynamo.reset()
+    torch_ce.disable()
+    torch_ce.release_all()
+    gc.collect()
+    if C.is_cuda():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool):
+    """Compile and time one variant; returns (record, output on this rank)."""
+    import torch
+    from torch._inductor.utils import run_and_get_code
+
+    import torch_ce
+    from torch_ce import report
+
+    rec: dict = {}
+    _cleanup(torch, torch_ce)
+    report.clear()
+    if name == "nccl":
+        torch_ce.enable(transport="nccl", reorder=True)
+    elif name == "ce":
+        torch_ce.enable(transport="copy_engine", reorder=True)
+    elif name == "ce_noreorder":
+        torch_ce.enable(transport="copy_engine", reorder=False)
+    dev = C.device()
+    t0 = time.perf_counter()
+    if name == "bound":
+        model = build_full(a, dev, a["seed"])
+    else:
+        model = build_sharded(a, dev, a["seed"], mesh, rank, world)
+    rec["build_s"] = round(time.perf_counter() - t0, 2)
+    compiled = torch.compile(model, dynamic=False)
+    try:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            y, codes = run_and_get_code(compiled, x)
+            C.sync()
+            rec["compile_s"] = round(time.perf_counter() - t0, 1)
+            code = "\n".join(codes)
+            if a.get("save_code") and rank == 0 and a.get("_first_T"):
+                p = os.path.join(a["out"], f"e2e_code_{name}.py")
+                os.makedirs(a["out"], exist_ok=True)
+                with open(p, "w") as f:
+                    f.write(code)
+            rec.update(code_call_counts(code))
+            rec["magi_in_code"] = rec["code_magi_ce_all_gather_calls"] > 0
+            C.log(f"[e2e]   compiled + first run in {rec['compile_s']} s; generated code: "
+                  f"{rec['code_magi_ce_all_gather_calls']} magi.ce_all_gather*, "
+                  f"{rec['code_nccl_all_gather_calls']} all_gather_into_tensor*")
+            st = C.time_stats(lambda: compiled(x), a["iters"], a["warmup"])
+            rec["ms"] = round(st["median_ms"], 3)
+            rec["ms_min"] = round(st["min_ms"], 3)
+            rec["ms_max"] = round(st["max_ms"], 3)
+            if trace:
+                C.barrier()
+                if rank == 0:
+                    C.log("[e2e]   tracing 3 iterations on rank 0 ...")
+                    rec["trace"] = _trace_ce(lambda: compiled(x), 3)
+                else:  # the peer runs the same iterations (its copies load the links too)
+                    for _ in range(3):
+                        compiled(x)
+                    C.sync()
+                C.barrier()
+        out = y.detach().clone()
+        del y
+    finally:
+        del compiled, model
+    if report.graphs:
+        g = report.graphs[-1]
+        ro = dict(g.reorder or {})
+        rec["reorder"] = {k: ro.get(k) for k in ("valid", "launches", "compute_limited")}
+        if ro.get("placements"):
+            rec["reorder"]["moved"] = sum(1 for p in ro["placements"] if p.get("target") != p.get("cur"))
+        bound = [b for gr in report.graphs for b in gr.bound]
+        refused = {}
+        for gr in report.graphs:
+            for k, v in gr.refusal_counts.items():
+                refused[k] = refused.get(k, 0) + v
+        rec["graphs"] = len(report.graphs)
+        rec["bound_gathers"] = len(bound)
+        rec["bound_mib"] = round(sum(b.get("bytes", 0) for b in bound) / 2**20, 1)
+        rec["ce_buckets"] = sum(1 for gr in report.graphs for b in gr.buckets if b.get("kind") == "ce")
+        if refused:
+            rec["refused"] = refused
+            rec["refused_sample"] = [r for gr in report.graphs for r in gr.refused][:10]
+    if report.binds:
+        rec["binds"] = [dict(bound=len(b.bound), skipped=len(b.skipped), windows_opened=b.windows_opened,
+                             bytes_bound=b.bytes_bound) for b in report.binds]
+        skipped = {k: v for b in report.binds for k, v in b.skipped.items()}
+        if skipped:
+            rec["bind_skipped_sample"] = dict(list(skipped.items())[:5])
+    if name.startswith("ce"):
+        try:
+            from torch_ce.passes import cost
+
+            c = cost.curve_for(dev.type, world)
+            rec["ce_cost_curve"] = dict(latency_us=round(c.latency_us, 2), gbps=round(c.gbps, 1), source=c.source)
+        except Exception as e:  # noqa: BLE001
+            rec["ce_cost_curve"] = f"error: {e}"
+    return rec, out
+
+
+def _compare(y, ref) -> dict:
+    import torch
+
+    d = (y.float() - ref.float()).abs()
+    return dict(max_abs_diff=float(d.max()), mean_abs_diff=float(d.mean()),
+                ref_max_abs=float(ref.float().abs().max()),
+                allclose=bool(torch.allclose(y.float(), ref.float(), rtol=1e-2, atol=1e-2)),
+                equal=bool(torch.equal(y, ref)),
+                finite=bool(torch.isfinite(y.float()).all()))
+
+
+def _worker(rank: int, world: int, a: dict) -> None:
+    import warnings
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch_ce
+
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated.*")
+    cache_dir = _fresh_caches(rank)
+    dev = C.device()
+    sg = C.status_group()
+    mesh = init_device_mesh(dev.type, (world,))
+    tag = C.gpu_tag()
+    path = os.path.join(a["out"], f"e2e_{tag}_w{world}.json")
+    env = C.env_info(world) if rank == 0 else None
+    variants = [v for v in VARIANTS if v in C.parse_list(a["variants"], str)]
+    tokens = C.parse_list(a["tokens"], int)
+    C.log(f"[e2e] world {world}, device {env.get('gpu') if env else ''}, torch {torch.__version__}; "
+          f"variants {variants}; inductor cache {cache_dir} (per rank); results -> {path}")
+    result: dict = dict(bench="e2e", args=a, world_size=world, targets_text=TARGETS_TEXT, results={})
+
+    def save():
+        if rank == 0:
+            C.write_json(path, result, env)
+
+    t_start = time.monotonic()
+    for T in tokens:
+        a["_first_T"] = T == tokens[0]
+        per: dict = dict(tokens=T)
+        result["results"][str(T)] = per
+        g = torch.Generator(device=dev).manual_seed(a["seed"] + 17 * T)
+        x = torch.randn(1, T, a["dim"], dtype=torch.bfloat16, device=dev, generator=g)
+        outs: dict = {}
+        for name in variants:
+            over = C.exchange(time.monotonic() - t_start > a["budget"], sg)
+            if any(over):
+                per[name] = dict(skipped=f"soft time budget of {a['budget']:.0f} s used up")
+                C.log(f"[e2e] T={T} {name}: skipped (budget)")
+                save()
+                continue
+            C.log(f"[e2e] T={T} {name}: building and compiling ...")
+            err, rec, y = None, {}, None
+            try:
+                rec, y = _run_variant(name, a, x, mesh, rank, world, a["trace"] and name == "ce")
+            except Exception as e:  # noqa: BLE001
+                err = C.short_error(e)
+                C.log_all(f"[e2e] T={T} {name} FAILED: {e!r}")
+            try:
+                _cleanup(torch, torch_ce)
+            except Exception as e:  # noqa: BLE001
+                C.log_all(f"[e2e] cleanup after {name} failed: {e!r}")
+            err = C.agree_errors(err, sg)
+            if err:
+                rec = dict(rec, error=err)
+            else:
+                outs[name] = y
+                all_ms = C.exchange(rec.get("ms"), sg)
+                rec["ms_per_rank"] = all_ms
+                C.log(f"[e2e] T={T} {name}: {rec['ms']:.3f} ms / forward"
+                      + (f"; reorder {rec['reorder']}" if rec.get("reorder") else ""))
+                if rec.get("trace"):
+                    t = rec["trace"]
+                    C.log(f"[e2e]   trace: CE copies busy {t['ce_copy_busy_us_per_iter']} us/iter, "
+                          f"{(t['overlap_fraction'] or 0) * 100:.0f}% overlapped with compute, "
+                          f"exposed {t['exposed_copy_us_per_iter']} us/iter; nccl kernels {t['nccl_kernels']}")
+            per[name] = rec
+            save()
+        # Correctness: every output against the NCCL variant's (and the bound's), this rank.
+        checks: dict = {}
+        try:
+            for ref_name in ("nccl", "bound"):
+                if ref_name not in outs:
+                    continue
+                for name, y in outs.items():
+                    if name != ref_name and f"{ref_name}_vs_{name}" not in checks:
+                        checks[f"{name}_vs_{ref_name}"] = _compare(y, outs[ref_name])
+        except Exception as e:  # noqa: BLE001
+            checks["error"] = C.short_error(e)
+        all_checks = C.exchange(checks, sg)
+        per["checks"] = all_checks[0]
+        per["checks_allclose_all_ranks"] = {
+            k: all(c.get(k, {}).get("allclose", False) for c in all_checks)
+            for k in checks if k != "error"
+        }
+        ms = {n: per[n].get("ms") for n in variants if isinstance(per.get(n), dict)}
+        r = {}
+        if ms.get("ce") and ms.get("nccl"):
+            r["ce_over_nccl"] = round(ms["ce"] / ms["nccl"], 4)
+        if ms.get("ce") and ms.get("bound"):
+            r["ce_over_bound"] = round(ms["ce"] / ms["bound"], 4)
+        if ms.get("nccl") and ms.get("bound"):
+            r["nccl_over_bound"] = round(ms["nccl"] / ms["bound"], 4)
+        if ms.get("ce_noreorder") and ms.get("ce"):
+            r["ce_noreorder_over_ce"] = round(ms["ce_noreorder"] / ms["ce"], 4)
+        per["ratios"] = r
+        tg = [C.target(f"T={T} CE/NCCL", r.get("ce_over_nccl"), "<=", 0.90),
+              C.target(f"T={T} CE/bound", r.get("ce_over_bound"), "<=", 1.05)]
+        c = per["checks"].get("ce_vs_nccl")
+        tg.append(C.target(f"T={T} CE output allclose to NCCL (all ranks)",
+                           None if c is None else float(per["checks_allclose_all_ranks"].get("ce_vs_nccl", False)),
+                           ">=", 1.0))
+        ce = per.get("ce") or {}
+        if "magi_in_code" in ce:
+            tg.append(C.target(f"T={T} CE generated code calls magi.ce_all_gather",
+                               float(ce["magi_in_code"]), ">=", 1.0))
+        if isinstance(ce.get("trace"), dict):
+            tg.append(C.target(f"T={T} NCCL kernels in the CE trace", float(ce["trace"]["nccl_kernels"]), "<=", 0))
+        per["targets"] = tg
+        save()
+        del x, outs
+        gc.collect()
+    if rank == 0:
+        _print_summary(result, variants)
+        png = C.save_png(path[:-5] + ".png", lambda plt: _draw(plt, result, variants, tag, world))
+        if png:
+            result["png"] = png
+            save()
+        print(f"[e2e] wrote {path}" + (f" and {png}" if png else ""), flush=True)
+
+
+def _print_summary(result: dict, variants: list[str]) -> None:
+    rows = []
+    for T, per in result["results"].items():
+        row = [T]
+        for v in variants:
+            d = per.get(v) or {}
+            row.append(f"{d['ms']:.2f}" if d.get("ms") else ("skipped" if d.get("skipped") else "FAILED"))
+        r = per.get("ratios", {})
+        c = (per.get("checks") or {}).get("ce_vs_nccl") or {}
+        ro = (per.get("ce") or {}).get("reorder") or {}
+        row += [r.get("ce_over_nccl", "-"), r.get("ce_over_bound", "-"),
+                "-" if not c else f"{c['max_abs_diff']:.3g}/{c['allclose']}",
+                f"{ro.get('launches', '-')}/{ro.get('compute_limited', '-')}"]
+        rows.append(row)
+    a = result["args"]
+    print(f"\n[e2e] {a['layers']} layers, dim {a['dim']}, ffn {a['ffn']}, bf16, world "
+          f"{result['world_size']}: ms per forward (median)", flush=True)
+    print(C.format_table(["tokens", *variants, "CE/NCCL", "CE/bound", "CE-NCCL maxdiff/allclose",
+                          "reorder launches/limited"], rows), flush=True)
+    print(f"[e2e] targets ({TARGETS_TEXT}):", flush=True)
+    for per in result["results"].values():
+        for t in per.get("targets", []):
+            print(C.format_target(t), flush=True)
+        for v in variants:
+            d = per.get(v) or {}
+            if d.get("error"):
+                print(f"  [FAIL] T={per['tokens']} {v}: {d['error'].splitlines()[0][:300]}", flush=True)
+
+
+def _draw(plt, result: dict, variants: list[str], tag: str, world: int):
+    Ts = list(result["results"])
+    fig, ax = plt.subplots(figsize=(2.2 + 2.4 * len(Ts), 4.2))
+    w = 0.8 / max(len(variants), 1)
+    for i, v in enumerate(variants):
+        vals = [((result["results"][T].get(v) or {}).get("ms") or 0.0) for T in Ts]
+        xs = [j + (i - (len(variants) - 1) / 2) * w for j in range(len(Ts))]
+        bars = ax.bar(xs, vals, w, label=v)
+        for b, val in zip(bars, vals):
+            if val:
+                ax.annotate(f"{val:.1f}", (b.get_x() + b.get_width() / 2, val), ha="center",
+                            va="bottom", fontsize=8)
+    ax.set_xticks(range(len(Ts)))
+    ax.set_xticklabels([f"{T} tokens" for T in Ts])
+    ax.set_ylabel("ms per forward")
+    a = result["args"]
+    ax.set_title(f"compiled decoder ({a['layers']}x dim {a['dim']}), {tag}, world {world}")
+    ax.legend()
+    ax.grid(True, axis="y", alpha=0.3)
+    return fig
