@@ -7,3 +7,19 @@ try:
     import torch_ce  # noqa: F401
 except ImportError:
     sys.path.insert(0, _ROOT)
+
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_ce_config():
+    """enable(**overrides) changes the global config: give each test a clean one."""
+    import torch_ce
+
+    saved = dataclasses.asdict(torch_ce.config)
+    yield
+    for k, v in saved.items():
+        setattr(torch_ce.config, k, v)

@@ -3,7 +3,8 @@
 # NOTE [agreement before anything moves]
 A gather retargeted on some ranks and not on others never completes (NCCL waits for a
 peer that is doing one-sided reads). So before anything moves, every rank of the agreeing
-group (WORLD unless the caller names one) exchanges one descriptor per candidate shard:
+group (each candidate's own group unless the caller names one) exchanges one descriptor
+per candidate shard, the locally refused ones included:
 (group ranks, shape, dtype, device type, local eligibility). Candidate i is bound only if
 every member of its group reports an identical, eligible descriptor at position i and the
 same number of candidates. Anything else is marked ``Fallback``: the CE ops gather such a
@@ -172,34 +173,49 @@ def _mark_fallback(c: Candidate, reason: str) -> None:
 
 
 def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
-    """Bind resolved candidates (collective over ``agree_group``, default WORLD)."""
+    """Bind resolved candidates: collective over each candidate's group (or ``agree_group``).
+
+    Groups agree one after another in order of first appearance, so ranks that share a
+    dense group but sit in different expert groups never wait on each other's subgroups.
+    """
     res = BindResult()
     if not dist.is_initialized():
         raise RuntimeError("torch_ce.bind: torch.distributed is not initialized")
-    agree_group = agree_group if agree_group is not None else dist.group.WORLD
-    todo: list[Candidate] = []
+    units: dict[tuple, tuple[Any, list[Candidate]]] = {}
     for c in cands:
         entry = W.lookup(c.tensor) if c.tensor is not None else None
         if isinstance(entry, W.Slot):
             res.already_bound.append(c.name)
         elif isinstance(entry, W.Fallback):
             res.skipped[c.name] = entry.reason
+        elif c.group is None and agree_group is None:
+            res.skipped[c.name] = c.reason or "no process group"
         else:
-            todo.append(c)
-    if not todo:
-        return res
-    if dist.get_world_size(agree_group) < 2:
+            pg = agree_group if agree_group is not None else c.group
+            units.setdefault(W.group_ranks_of(pg), (pg, []))[1].append(c)
+    for pg, members in units.values():
+        _bind_unit(members, pg, res)
+    if res.bound or res.skipped:
+        log.info("torch_ce.bind: %s", res)
+    for name, why in res.skipped.items():
+        log.debug("torch_ce.bind: %s stays on the collective backend: %s", name, why)
+    return res
+
+
+def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
+    """Agree over ``agree_pg``, open windows, move, publish (NOTE at the top)."""
+    if dist.get_world_size(agree_pg) < 2:
         for c in todo:
-            res.skipped[c.name] = c.reason or "world size 1: nothing to gather"
-        return res
-    if dist.get_backend(agree_group) == "fake":
+            res.skipped[c.name] = c.reason or "group of size 1: nothing to gather"
+        return
+    if dist.get_backend(agree_pg) == "fake":
         # A fake process group has no peers whose windows could be read.
         for c in todo:
             res.skipped[c.name] = "fake process group: no peers to read from"
             _mark_fallback(c, res.skipped[c.name])
-        return res
+        return
 
-    agreed, reasons, job = agree(todo, agree_group)
+    agreed, reasons, job = agree(todo, agree_pg)
     chosen: list[Candidate] = []
     for c, ok, why in zip(todo, agreed, reasons):
         if ok:
@@ -207,6 +223,8 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
         else:
             res.skipped[c.name] = why
             _mark_fallback(c, why)
+    if not chosen:
+        return
 
     # Plan per pool, in order of first appearance (identical on every group member).
     by_pool: dict[tuple, list[Candidate]] = {}
@@ -216,21 +234,16 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
     slots: list[tuple[Candidate, W.Slot]] = []
     for key, members in by_pool.items():
         pool = W.get_pool(key, config.window_cap_bytes)
-        sizes = [m.tensor.numel() * m.tensor.element_size() for m in members]
-        placed = pool.plan_slots(sizes)
+        placed = pool.plan_slots([m.tensor.numel() * m.tensor.element_size() for m in members])
         n_new = placed[-1][0] + 1
         W.reserve_windows(n_new)
-        group = members[0].group
-        ranks = key[0]
-        device = members[0].tensor.device
+        group, device = members[0].group, members[0].tensor.device
         new = []
         for k in range(n_new):
-            used = [W.align_up(nb) for (wi, _, nb) in placed if wi == k]
-            nbytes = sum(used)
-            new.append(
-                W.Window(key, len(pool.windows) + k, nbytes, group, ranks,
-                         dist.get_rank(group), device, torch.empty(0, dtype=torch.uint8), used=nbytes)
-            )
+            nbytes = sum(W.align_up(nb) for (wi, _, nb) in placed if wi == k)
+            new.append(W.Window(key, len(pool.windows) + k, nbytes, group, key[0],
+                                dist.get_rank(group), device, torch.empty(0, dtype=torch.uint8),
+                                used=nbytes))
         tr = _transport(device)
         if device.type == "cuda":
             tr.open_windows(new)
@@ -240,8 +253,7 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
             W.add_window(pool, w)
         res.windows_opened += n_new
         for m, (wi, off, nb) in zip(members, placed):
-            slot = W.Slot(new[wi], off, nb, tuple(m.tensor.shape), m.tensor.dtype, m.name)
-            slots.append((m, slot))
+            slots.append((m, W.Slot(new[wi], off, nb, tuple(m.tensor.shape), m.tensor.dtype, m.name)))
 
     # Move each shard into its slot in place; the old storage is released.
     with torch.no_grad():
@@ -256,17 +268,12 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
         # Hand the shards' old blocks back to the driver: no weight held twice.
         torch.cuda.empty_cache()
     # One publish barrier: after it every slot is readable by every peer.
-    dist.barrier(group=agree_group)
+    dist.barrier(group=agree_pg)
     for c, slot in slots:
         _transport(slot.window.device).publish_slot(slot)
         W.register(c.tensor, slot)
-    if slots and config.cost_mode == "calibrated":
+    if config.cost_mode == "calibrated":
         _calibrate(max((s for _, s in slots), key=lambda s: s.window.nbytes))
-    if res.bound or res.skipped:
-        log.info("torch_ce.bind: %s", res)
-    for name, why in res.skipped.items():
-        log.debug("torch_ce.bind: %s stays on the collective backend: %s", name, why)
-    return res
 
 
 def _calibrate(slot: W.Slot) -> None:
@@ -294,8 +301,9 @@ def bind(params: Any, group=None, *, min_shard_mib: float | None = None) -> Bind
 
     ``params``: a module, a dict of name -> tensor, or an iterable of tensors. DTensors must
     be Shard(0) on a 1-D mesh with rows divisible by the mesh size; plain tensors are local
-    shards of ``group``. Collective: every rank of ``group`` (WORLD if None) must call it
-    with corresponding parameters. Binding an already-bound shard is a no-op.
+    shards of ``group``. Collective: every rank of each shard's group (of ``group`` if
+    given) must call it with corresponding parameters. Binding an already-bound shard is a
+    no-op. Returns a BindResult: what moved, what was already bound, what was skipped and why.
     """
     min_bytes = int((config.symm_min_shard_mib if min_shard_mib is None else min_shard_mib) * 2**20)
     cands = [candidate_from_param(n, p, group, min_bytes) for n, p in _named(params)]

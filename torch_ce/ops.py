@@ -13,7 +13,8 @@ backend instead (NOTE [agreement before anything moves] in binding.py). On CUDA 
 outputs carry c10d work: ``_c10d_functional.wait_tensor`` orders the consumer after the
 copies. The host transport (CPU) completes before returning.
 
-    magi::ce_bind(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names) -> ()
+    magi::ce_bind(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names,
+                  str[] reasons) -> ()
 
 The bind step the compiler inserts at the head of a graph (NOTE [run-time bind] in
 passes/bind_step.py). Declared as mutating its shards so Inductor keeps every read of them
@@ -110,12 +111,13 @@ def ce_all_gather_coalesced(
 @torch.library.custom_op(
     "magi::ce_bind",
     mutates_args={"shards"},
-    schema="(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names) -> ()",
+    schema="(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names, "
+    "str[] reasons) -> ()",
 )
-def ce_bind(shards, group_sizes, group_names, names) -> None:
+def ce_bind(shards, group_sizes, group_names, names, reasons) -> None:
     from .passes.bind_step import run_bind_step
 
-    run_bind_step(shards, group_sizes, group_names, names)
+    run_bind_step(shards, group_sizes, group_names, names, reasons)
 
 
 from . import fake_impls  # noqa: E402,F401  (registers the fake impls beside the ops)

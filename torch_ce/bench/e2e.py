@@ -1,6 +1,6 @@
 """``torch-ce bench e2e``: a compiled SimpleFSDP decoder, NCCL vs copy engine vs no-comm bound.
 
-The model of shared/probes/e2e_baseline.py: ``--layers`` decoder layers (RMSNorm, fused
+The model of shared/probes/e2e_baseline.py (``torch_ce.simple_fsdp.Decoder``): ``--layers`` decoder layers (RMSNorm, fused
 QKV, SDPA, SwiGLU FFN), bf16, every Linear weight a Shard(0) DTensor over all ranks,
 gathered in the forward by a ``redistribute(Replicate()).to_local()`` parametrization,
 compiled with plain ``torch.compile`` for inference (``torch.no_grad()``). Per token count,
@@ -79,66 +79,23 @@ def main(argv=None) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# The model (shared/probes/e2e_baseline.py, dimensions as arguments)
+# The model (torch_ce.simple_fsdp: shared/probes/e2e_baseline.py's decoder)
 # ---------------------------------------------------------------------------------------
 
 
-def _model_classes():
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    class Layer(nn.Module):
-        def __init__(self, dim: int, ffn: int, heads: int):
-            super().__init__()
-            self.dim, self.heads = dim, heads
-            self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-            self.o = nn.Linear(dim, dim, bias=False)
-            self.gate = nn.Linear(dim, ffn, bias=False)
-            self.up = nn.Linear(dim, ffn, bias=False)
-            self.down = nn.Linear(ffn, dim, bias=False)
-            self.n1 = nn.RMSNorm(dim)
-            self.n2 = nn.RMSNorm(dim)
-
-        def forward(self, x):
-            q, k, v = self.qkv(self.n1(x)).chunk(3, -1)
-            B, T, _ = x.shape
-            q, k, v = (t.view(B, T, self.heads, self.dim // self.heads).transpose(1, 2) for t in (q, k, v))
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, self.dim)
-            x = x + self.o(a)
-            y = self.n2(x)
-            return x + self.down(F.silu(self.gate(y)) * self.up(y))
-
-    class Net(nn.Module):
-        def __init__(self, layers: int, dim: int, ffn: int, heads: int):
-            super().__init__()
-            self.layers = nn.ModuleList(Layer(dim, ffn, heads) for _ in range(layers))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
-    class Gather(nn.Module):
-        """SimpleFSDP's forward gather: Shard(0) DTensor -> full local tensor."""
-
-        def forward(self, w):
-            from torch.distributed.tensor import DTensor, Replicate
-
-            return w.redistribute(placements=[Replicate()]).to_local() if isinstance(w, DTensor) else w
-
-    return Net, Gather, torch
-
-
 def build_full(a: dict, dev, seed: int):
-    """The full bf16 model on ``dev`` (same weights for the same seed on every rank)."""
-    Net, _, torch = _model_classes()
+    """The full bf16 decoder, initialised on ``dev`` (same weights for the same seed on
+    every rank and in every variant)."""
+    import torch
+
+    from torch_ce.simple_fsdp import Decoder
+
     heads = a["heads"] or max(1, a["dim"] // 128)
     torch.manual_seed(seed)
     if dev.type == "cuda":
         torch.cuda.manual_seed(seed)
     with torch.device(dev):
-        net = Net(a["layers"], a["dim"], a["ffn"], heads)
+        net = Decoder(layers=a["layers"], dim=a["dim"], ffn=a["ffn"], heads=heads)
     net = net.to(torch.bfloat16)
     for p in net.parameters():
         p.requires_grad_(False)
@@ -146,13 +103,16 @@ def build_full(a: dict, dev, seed: int):
 
 
 def build_sharded(a: dict, dev, seed: int, mesh, rank: int, world: int):
-    """The same model with every Linear weight a Shard(0) DTensor and a Gather
-    parametrization (SimpleFSDP style); the local shard is a contiguous clone."""
+    """The same decoder with every Linear weight a Shard(0) DTensor gathered by a
+    ``redistribute(Replicate()).to_local()`` parametrization (SimpleFSDP style). Each rank
+    keeps a contiguous clone of its rows of the full weight (no communication)."""
+    import torch
     import torch.nn as nn
     import torch.nn.utils.parametrize as P
     from torch.distributed.tensor import DTensor, Shard
 
-    _, Gather, torch = _model_classes()
+    from torch_ce.simple_fsdp import GatherWeight
+
     net = build_full(a, dev, seed)
     for m in list(net.modules()):
         if isinstance(m, nn.Linear):
@@ -162,7 +122,7 @@ def build_sharded(a: dict, dev, seed: int, mesh, rank: int, world: int):
             local = w.chunk(world, 0)[rank].clone()
             dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
             m.weight = nn.Parameter(dt, requires_grad=False)
-            P.register_parametrization(m, "weight", Gather(), unsafe=True)
+            P.register_parametrization(m, "weight", GatherWeight(), unsafe=True)
             del w
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -343,15 +303,15 @@ def _cleanup(torch, torch_ce) -> None:
         torch.cuda.empty_cache()
 
 
-def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool):
-    """Compile and time one variant; returns (record, output on this rank)."""
+def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool, rec: dict):
+    """Build, compile and time one variant, filling ``rec`` as it goes (so a failure keeps
+    what was measured); returns this rank's output of the first call."""
     import torch
     from torch._inductor.utils import run_and_get_code
 
     import torch_ce
     from torch_ce import report
 
-    rec: dict = {}
     _cleanup(torch, torch_ce)
     report.clear()
     if name == "nccl":
@@ -361,6 +321,8 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
     elif name == "ce_noreorder":
         torch_ce.enable(transport="copy_engine", reorder=False)
     dev = C.device()
+    if name.startswith("ce"):
+        rec["ce_cost_curve_at_compile"] = _curve(dev, world)
     t0 = time.perf_counter()
     if name == "bound":
         model = build_full(a, dev, a["seed"])
@@ -382,9 +344,11 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
                     f.write(code)
             rec.update(code_call_counts(code))
             rec["magi_in_code"] = rec["code_magi_ce_all_gather_calls"] > 0
-            C.log(f"[e2e]   compiled + first run in {rec['compile_s']} s; generated code: "
-                  f"{rec['code_magi_ce_all_gather_calls']} magi.ce_all_gather*, "
-                  f"{rec['code_nccl_all_gather_calls']} all_gather_into_tensor*")
+            out = y.detach().clone()
+            del y
+            C.log(f"[e2e]   compiled + first run in {rec['compile_s']} s; generated code calls "
+                  f"magi.ce_all_gather* {rec['code_magi_ce_all_gather_calls']}x, NCCL "
+                  f"all_gather_into_tensor* {rec['code_nccl_all_gather_calls']}x")
             st = C.time_stats(lambda: compiled(x), a["iters"], a["warmup"])
             rec["ms"] = round(st["median_ms"], 3)
             rec["ms_min"] = round(st["min_ms"], 3)
@@ -393,49 +357,64 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
                 C.barrier()
                 if rank == 0:
                     C.log("[e2e]   tracing 3 iterations on rank 0 ...")
-                    rec["trace"] = _trace_ce(lambda: compiled(x), 3)
+                    try:
+                        rec["trace"] = _trace_ce(lambda: compiled(x), 3)
+                    except Exception as e:  # noqa: BLE001  (the timing stands without it)
+                        rec["trace"] = dict(error=C.short_error(e))
                 else:  # the peer runs the same iterations (its copies load the links too)
                     for _ in range(3):
                         compiled(x)
                     C.sync()
                 C.barrier()
-        out = y.detach().clone()
-        del y
     finally:
         del compiled, model
-    if report.graphs:
-        g = report.graphs[-1]
-        ro = dict(g.reorder or {})
-        rec["reorder"] = {k: ro.get(k) for k in ("valid", "launches", "compute_limited")}
-        if ro.get("placements"):
-            rec["reorder"]["moved"] = sum(1 for p in ro["placements"] if p.get("target") != p.get("cur"))
-        bound = [b for gr in report.graphs for b in gr.bound]
-        refused = {}
-        for gr in report.graphs:
-            for k, v in gr.refusal_counts.items():
-                refused[k] = refused.get(k, 0) + v
-        rec["graphs"] = len(report.graphs)
-        rec["bound_gathers"] = len(bound)
-        rec["bound_mib"] = round(sum(b.get("bytes", 0) for b in bound) / 2**20, 1)
-        rec["ce_buckets"] = sum(1 for gr in report.graphs for b in gr.buckets if b.get("kind") == "ce")
-        if refused:
-            rec["refused"] = refused
-            rec["refused_sample"] = [r for gr in report.graphs for r in gr.refused][:10]
-    if report.binds:
-        rec["binds"] = [dict(bound=len(b.bound), skipped=len(b.skipped), windows_opened=b.windows_opened,
-                             bytes_bound=b.bytes_bound) for b in report.binds]
-        skipped = {k: v for b in report.binds for k, v in b.skipped.items()}
-        if skipped:
-            rec["bind_skipped_sample"] = dict(list(skipped.items())[:5])
-    if name.startswith("ce"):
-        try:
-            from torch_ce.passes import cost
+        _summarize_report(rec, report)
+        if name.startswith("ce"):
+            rec["ce_cost_curve_after_run"] = _curve(dev, world)
+    return out
 
-            c = cost.curve_for(dev.type, world)
-            rec["ce_cost_curve"] = dict(latency_us=round(c.latency_us, 2), gbps=round(c.gbps, 1), source=c.source)
-        except Exception as e:  # noqa: BLE001
-            rec["ce_cost_curve"] = f"error: {e}"
-    return rec, out
+
+def _summarize_report(rec: dict, report) -> None:
+    """torch_ce's own record of the compile: reorder, bound gathers, refusals, binds."""
+    try:
+        if report.graphs:
+            ro = dict(report.graphs[-1].reorder or {})
+            rec["reorder"] = {k: ro.get(k) for k in ("valid", "launches", "compute_limited")}
+            pl = ro.get("placements") or []
+            if pl:
+                rec["reorder"]["need_us_total"] = round(sum(p.get("need_us", 0) for p in pl), 1)
+                rec["reorder"]["covered_us_total"] = round(sum(p.get("covered_us", 0) for p in pl), 1)
+            bound = [b for gr in report.graphs for b in gr.bound]
+            refused: dict = {}
+            for gr in report.graphs:
+                for k, v in gr.refusal_counts.items():
+                    refused[k] = refused.get(k, 0) + v
+            rec["graphs"] = len(report.graphs)
+            rec["bound_gathers"] = len(bound)
+            rec["bound_mib"] = round(sum(b.get("bytes", 0) for b in bound) / 2**20, 1)
+            rec["ce_buckets"] = sum(1 for gr in report.graphs for b in gr.buckets if b.get("kind") == "ce")
+            if refused:
+                rec["refused"] = refused
+                rec["refused_sample"] = [r for gr in report.graphs for r in gr.refused][:10]
+        if report.binds:
+            rec["binds"] = [dict(bound=len(b.bound), skipped=len(b.skipped), windows_opened=b.windows_opened,
+                                 bytes_bound=b.bytes_bound) for b in report.binds]
+            skipped = {k: v for b in report.binds for k, v in b.skipped.items()}
+            if skipped:
+                rec["bind_skipped_sample"] = dict(list(skipped.items())[:5])
+    except Exception as e:  # noqa: BLE001
+        rec["report_error"] = repr(e)
+
+
+def _curve(dev, world: int):
+    """The CE cost curve the reorder would use now (default, on-disk or calibrated)."""
+    try:
+        from torch_ce.passes import cost
+
+        c = cost.curve_for(dev.type, world)
+        return dict(latency_us=round(c.latency_us, 2), gbps=round(c.gbps, 1), source=c.source)
+    except Exception as e:  # noqa: BLE001
+        return f"error: {e}"
 
 
 def _compare(y, ref) -> dict:
@@ -470,6 +449,8 @@ def _worker(rank: int, world: int, a: dict) -> None:
     C.log(f"[e2e] world {world}, device {env.get('gpu') if env else ''}, torch {torch.__version__}; "
           f"variants {variants}; inductor cache {cache_dir} (per rank); results -> {path}")
     result: dict = dict(bench="e2e", args=a, world_size=world, targets_text=TARGETS_TEXT, results={})
+    if rank == 0:
+        _merge_previous(path, result, tokens)
 
     def save():
         if rank == 0:
@@ -493,7 +474,7 @@ def _worker(rank: int, world: int, a: dict) -> None:
             C.log(f"[e2e] T={T} {name}: building and compiling ...")
             err, rec, y = None, {}, None
             try:
-                rec, y = _run_variant(name, a, x, mesh, rank, world, a["trace"] and name == "ce")
+                y = _run_variant(name, a, x, mesh, rank, world, a["trace"] and name == "ce", rec)
             except Exception as e:  # noqa: BLE001
                 err = C.short_error(e)
                 C.log_all(f"[e2e] T={T} {name} FAILED: {e!r}")
@@ -510,7 +491,9 @@ def _worker(rank: int, world: int, a: dict) -> None:
                 rec["ms_per_rank"] = all_ms
                 C.log(f"[e2e] T={T} {name}: {rec['ms']:.3f} ms / forward"
                       + (f"; reorder {rec['reorder']}" if rec.get("reorder") else ""))
-                if rec.get("trace"):
+                if rec.get("trace") and "error" in rec["trace"]:
+                    C.log(f"[e2e]   trace FAILED: {rec['trace']['error'][:300]}")
+                elif rec.get("trace"):
                     t = rec["trace"]
                     C.log(f"[e2e]   trace: CE copies busy {t['ce_copy_busy_us_per_iter']} us/iter, "
                           f"{(t['overlap_fraction'] or 0) * 100:.0f}% overlapped with compute, "
@@ -555,12 +538,15 @@ def _worker(rank: int, world: int, a: dict) -> None:
         if "magi_in_code" in ce:
             tg.append(C.target(f"T={T} CE generated code calls magi.ce_all_gather",
                                float(ce["magi_in_code"]), ">=", 1.0))
-        if isinstance(ce.get("trace"), dict):
+        if isinstance(ce.get("trace"), dict) and "nccl_kernels" in ce["trace"]:
             tg.append(C.target(f"T={T} NCCL kernels in the CE trace", float(ce["trace"]["nccl_kernels"]), "<=", 0))
         per["targets"] = tg
         save()
         del x, outs
         gc.collect()
+    import shutil
+
+    shutil.rmtree(cache_dir, ignore_errors=True)
     if rank == 0:
         _print_summary(result, variants)
         png = C.save_png(path[:-5] + ".png", lambda plt: _draw(plt, result, variants, tag, world))
@@ -570,9 +556,32 @@ def _worker(rank: int, world: int, a: dict) -> None:
         print(f"[e2e] wrote {path}" + (f" and {png}" if png else ""), flush=True)
 
 
+_SAME_MODEL = ("layers", "dim", "ffn", "heads", "seed", "device")
+
+
+def _merge_previous(path: str, result: dict, tokens: list[int]) -> None:
+    """Keep the token counts of an earlier run of the same model that this run does not
+    measure (so ``--tokens 1024`` then ``--tokens 4096`` end up in one file and figure)."""
+    try:
+        with open(path) as f:
+            prev = json.load(f)
+    except (OSError, ValueError):
+        return
+    pa, a = prev.get("args") or {}, result["args"]
+    if prev.get("world_size") != result["world_size"] or any(pa.get(k) != a.get(k) for k in _SAME_MODEL):
+        return
+    date = (prev.get("env") or {}).get("date")
+    for T, per in (prev.get("results") or {}).items():
+        if int(T) not in tokens and isinstance(per, dict):
+            result["results"][T] = dict(per, from_previous_run=date)
+    if len(result["results"]):
+        print(f"[e2e] kept results for tokens {sorted(result['results'], key=int)} from the run of {date}",
+              flush=True)
+
+
 def _print_summary(result: dict, variants: list[str]) -> None:
     rows = []
-    for T, per in result["results"].items():
+    for T, per in sorted(result["results"].items(), key=lambda kv: int(kv[0])):
         row = [T]
         for v in variants:
             d = per.get(v) or {}
@@ -590,7 +599,7 @@ def _print_summary(result: dict, variants: list[str]) -> None:
     print(C.format_table(["tokens", *variants, "CE/NCCL", "CE/bound", "CE-NCCL maxdiff/allclose",
                           "reorder launches/limited"], rows), flush=True)
     print(f"[e2e] targets ({TARGETS_TEXT}):", flush=True)
-    for per in result["results"].values():
+    for _, per in sorted(result["results"].items(), key=lambda kv: int(kv[0])):
         for t in per.get("targets", []):
             print(C.format_target(t), flush=True)
         for v in variants:
@@ -600,7 +609,7 @@ def _print_summary(result: dict, variants: list[str]) -> None:
 
 
 def _draw(plt, result: dict, variants: list[str], tag: str, world: int):
-    Ts = list(result["results"])
+    Ts = sorted(result["results"], key=int)
     fig, ax = plt.subplots(figsize=(2.2 + 2.4 * len(Ts), 4.2))
     w = 0.8 / max(len(variants), 1)
     for i, v in enumerate(variants):
@@ -615,7 +624,8 @@ def _draw(plt, result: dict, variants: list[str], tag: str, world: int):
     ax.set_xticklabels([f"{T} tokens" for T in Ts])
     ax.set_ylabel("ms per forward")
     a = result["args"]
-    ax.set_title(f"compiled decoder ({a['layers']}x dim {a['dim']}), {tag}, world {world}")
+    ax.set_title(f"compiled decoder: {a['layers']} layers, dim {a['dim']}, ffn {a['ffn']}; {tag}, world {world}",
+                 fontsize=10)
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
     return fig

@@ -26,7 +26,7 @@ _done: set = set()
 W.on_release(_done.clear)
 
 
-def run_bind_step(shards, group_sizes, group_names, names) -> None:
+def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None:
     if not shards:
         return
     key = (tuple(names), shards[0].data_ptr())
@@ -40,9 +40,11 @@ def run_bind_step(shards, group_sizes, group_names, names) -> None:
 
     resolve = torch._C._distributed_c10d._resolve_process_group
     cands = []
-    for t, gs, gname, name in zip(shards, group_sizes, group_names, names):
+    reasons = reasons or [""] * len(shards)
+    for t, gs, gname, name, why in zip(shards, group_sizes, group_names, names, reasons):
         pg = resolve(gname)
-        reason = local_reason(t, pg, config.min_shard_bytes)
+        # A compile-time refusal still takes part in the agreement (as refused).
+        reason = why or local_reason(t, pg, config.min_shard_bytes)
         if reason is None and pg.size() != gs:
             reason = f"group size {pg.size()} != gather group size {gs}"
         cands.append(Candidate(name, t, pg, reason))

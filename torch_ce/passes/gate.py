@@ -46,6 +46,10 @@ class Seed:
     group_name: str
     reason: str | None = None  # None: eligible
     nbytes: int = 0
+    # The parameter placeholder the gather input comes from (directly, or through a cast,
+    # pad or view): the bind step lists it even when refused, so that every rank agrees
+    # over the same candidates (NOTE [agreement before anything moves] in binding.py).
+    weight: fx.Node | None = None
     # May share an NCCL bucket when refused: its gather looks the same on every rank
     # (input a placeholder, output used as is). Uneven shards are padded on some ranks
     # only, so their graphs differ and coalescing them could mismatch NCCL launches.
@@ -97,8 +101,8 @@ def _is_weight(ph: fx.Node, idx: int) -> bool:
     return desc is None  # hand-built graphs: trust the caller
 
 
-def _input_reason(x: fx.Node) -> str:
-    """Why a non-placeholder gather input is not a parameter's local shard."""
+def _chain(x: fx.Node) -> tuple[list[fx.Node], fx.Node]:
+    """Walk up single-tensor-input nodes from ``x``: (nodes passed, where it stopped)."""
     seen, cur = [], x
     while cur.op == "call_function" and len(seen) < 8:
         seen.append(cur)
@@ -106,6 +110,12 @@ def _input_reason(x: fx.Node) -> str:
         if len(tensor_args) != 1:
             break
         cur = tensor_args[0]
+    return seen, cur
+
+
+def _input_reason(x: fx.Node) -> str:
+    """Why a non-placeholder gather input is not a parameter's local shard."""
+    seen, cur = _chain(x)
     if cur.op != "placeholder" or any(U.is_wait(n) for n in seen):
         if any(U.is_wait(n) for n in seen):
             return "gather of a gathered tensor (multi-dim placement)"
@@ -155,6 +165,10 @@ def gate(graph: fx.Graph, cfg: Config, is_inference: bool | None = None) -> list
         val = x.meta.get("val") if isinstance(x, fx.Node) else None
         seed.nbytes = U.nbytes(val) or 0 if val is not None else 0
         seed.reason = whole or _seed_reason(seed, val, ph_index, cfg)
+        root = _chain(x)[1] if isinstance(x, fx.Node) else None
+        if (root is not None and root.op == "placeholder" and _is_weight(root, ph_index[root])
+                and not any(U.is_wait(n) for n in _chain(x)[0])):
+            seed.weight = root
         seed.coalescable = (
             whole is None and x.op == "placeholder" and _output_reason(seed.wait) is None
         )

@@ -56,9 +56,9 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     if not seeds:
         return None
     rec = report.new_graph(config.transport)
-    p = plan_mod.plan(seeds, config)
-    bind_node = rewrite_mod.rewrite(graph, p)
     refused_whole = gate_mod.graph_reason(graph, is_inference)
+    p = plan_mod.plan(seeds, config, whole_graph_refused=refused_whole is not None)
+    bind_node = rewrite_mod.rewrite(graph, p)
     buckets = [] if refused_whole else bucket_mod.bucket(graph, seeds, config)
     for s in seeds:
         if s.eligible:

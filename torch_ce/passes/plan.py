@@ -23,6 +23,7 @@ class PlannedShard:
     group_name: str
     nbytes: int
     dtype: str
+    reason: str = ""  # "" : eligible; else why this rank keeps its gathers on NCCL
     window: int = 0  # predicted window number within its pool
     offset: int = 0  # predicted byte offset in that window
 
@@ -30,20 +31,31 @@ class PlannedShard:
 @dataclasses.dataclass
 class Plan:
     seeds: list[Seed]  # eligible gathers, program order
-    shards: list[PlannedShard]  # unique shards, program order of first gather
-    pools: dict  # (group_name, dtype) -> list[PlannedShard]
+    shards: list[PlannedShard]  # every candidate weight, program order of first gather
+    pools: dict  # (group_name, dtype) -> list[PlannedShard] (eligible ones)
 
 
-def plan(seeds: list[Seed], cfg: Config) -> Plan:
+def plan(seeds: list[Seed], cfg: Config, whole_graph_refused: bool = False) -> Plan:
+    """Candidates for the bind step: every weight a gather reads, eligible or not."""
     eligible = [s for s in seeds if s.eligible]
     shards: dict[fx.Node, PlannedShard] = {}
-    for s in eligible:
-        if s.shard not in shards:
-            dtype = str(s.shard.meta["val"].dtype).replace("torch.", "")
-            shards[s.shard] = PlannedShard(s.shard, s.group_size, s.group_name, s.nbytes, dtype)
+    if not whole_graph_refused:
+        for s in seeds:
+            if s.weight is None:
+                continue
+            ps = shards.get(s.weight)
+            if ps is None:
+                val = s.weight.meta["val"]
+                dtype = str(val.dtype).replace("torch.", "")
+                ps = shards[s.weight] = PlannedShard(
+                    s.weight, s.group_size, s.group_name, s.nbytes, dtype, s.reason or ""
+                )
+            elif s.eligible:
+                ps.reason = ""
     pools: dict[tuple, list[PlannedShard]] = {}
     for ps in shards.values():
-        pools.setdefault((ps.group_name, ps.dtype), []).append(ps)
+        if not ps.reason:
+            pools.setdefault((ps.group_name, ps.dtype), []).append(ps)
     for key, members in pools.items():
         placed = WindowPool(key, cfg.window_cap_bytes).plan_slots([m.nbytes for m in members])
         for m, (wi, off, _) in zip(members, placed):
