@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import re
 import traceback
 
 import pytest
@@ -24,6 +25,8 @@ pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
 from mp_harness import run_ranks  # noqa: E402
 
 SHM_GLOB = "/dev/shm/torch_ce_*"
+# A call of the CE ops in Inductor's generated wrapper code (not a comment or an assert).
+CE_CALL = re.compile(r"= torch\.ops\.magi\.ce_all_gather(_coalesced)?\.default\(")
 WORLD = 2
 TIMEOUT = 150
 
@@ -73,7 +76,7 @@ def _setup_child(cache_dir: str) -> None:
     torch._dynamo.reset()
 
 
-def _build(seed: int, mp_policy=None):
+def _build(seed: int, mp_policy=None, dtype=torch.float32):
     """The same model on every rank (same seed), wrapped by torchtitan's SimpleFSDP."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.experiments.graph_trainer import simple_fsdp
@@ -84,7 +87,7 @@ def _build(seed: int, mp_policy=None):
     # first one. Start from an empty cache so each build gets its own policy.
     simple_fsdp._wrap_class_cache.clear()
     torch.manual_seed(seed)
-    model = TinyDecoder().eval()
+    model = TinyDecoder().to(dtype).eval()
     mesh = init_device_mesh("cpu", (WORLD,))
     return simple_fsdp.data_parallel(model, mesh, mode="fully_shard", mp_policy=mp_policy)
 
@@ -133,7 +136,7 @@ def _rank_fp32(rank, world_size, seed, cache_dir):
             exact=[torch.equal(out0, eager[0]), torch.equal(out1, eager[1])],
             eager_after_exact=torch.equal(eager_after, eager[0]),
             max_diff=float((out0 - eager[0]).abs().max()),
-            ce_calls=code.count("magi.ce_all_gather"),
+            ce_calls=len(CE_CALL.findall(code)),
             slots=slots,
             n_params=len(shards),
             bound=len(rec.bound) if rec else -1,
@@ -173,7 +176,7 @@ def _rank_bf16_policy(rank, world_size, seed, cache_dir):
             close=torch.allclose(out.float(), eager.float(), rtol=2e-2, atol=2e-2),
             max_diff=float((out.float() - eager.float()).abs().max()),
             dtype=str(out.dtype),
-            ce_calls=code.count("magi.ce_all_gather"),
+            ce_calls=len(CE_CALL.findall(code)),
             bound=len(rec.bound) if rec else -1,
             refused=list(rec.refused) if rec else None,
             n_params=len(shards),
@@ -186,11 +189,44 @@ def _rank_bf16_policy(rank, world_size, seed, cache_dir):
         torch_ce.release_all()
 
 
+def _rank_bf16_noop_policy(rank, world_size, seed, cache_dir):
+    """bf16 weights with param_dtype=bf16 (torchtitan's default training policy): the cast
+    is a no-op, so every gather still moves to the copy engine."""
+    _setup_child(cache_dir)
+    import torch_ce
+    from torch_ce import report
+    from torchtitan.experiments.graph_trainer.simple_fsdp import MixedPrecisionPolicy
+
+    model = _build(seed, MixedPrecisionPolicy(param_dtype=torch.bfloat16), dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed + 3000 + rank)
+    x = torch.randn(3, 5, 32, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        eager = model(x)
+    report.clear()
+    torch_ce.enable(transport="copy_engine")
+    try:
+        with torch.no_grad():
+            out = torch.compile(model)(x)
+        rec = report.graphs[-1] if report.graphs else None
+        return dict(
+            exact=torch.equal(out, eager),
+            max_diff=float((out.float() - eager.float()).abs().max()),
+            bound=len(rec.bound) if rec else -1,
+            refused=list(rec.refused) if rec else None,
+            n_params=len(_local_shards(model)),
+        )
+    finally:
+        torch_ce.disable()
+        torch_ce.release_all()
+
+
 def _rank_all(rank, world_size, seed, cache_dir):
-    """Both scenarios in one spawn (process start-up and Inductor warm-up dominate the
+    """All scenarios in one spawn (process start-up and Inductor warm-up dominate the
     runtime on 2 cores); a failing scenario reports its traceback without hiding the other."""
     out = {}
-    for name, fn in (("fp32", _rank_fp32), ("bf16", _rank_bf16_policy)):
+    scenarios = (("fp32", _rank_fp32), ("bf16", _rank_bf16_policy),
+                 ("bf16_noop", _rank_bf16_noop_policy))
+    for name, fn in scenarios:
         try:
             out[name] = fn(rank, world_size, seed, cache_dir)
         except Exception:  # noqa: BLE001
@@ -205,8 +241,9 @@ def _rank_all(rank, world_size, seed, cache_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Per rank: {"fp32": dict | traceback, "bf16": ...}, plus shm segments left behind."""
+    """Per rank {scenario: result dict, or its traceback text}; shm segments left behind."""
     seed = random.randrange(1 << 20)
+    print(f"test_torchtitan: seed {seed}")  # shown with a failure's captured output
     cache_dir = str((tmp_path_factory.mktemp("torchtitan") / "inductor").resolve())
     before = set(glob.glob(SHM_GLOB))
     res = run_ranks(_rank_all, WORLD, seed, cache_dir, timeout=TIMEOUT)
@@ -227,7 +264,8 @@ def _scenario(results, name):
 def test_simple_fsdp_fully_shard_fp32_copy_engine(results):
     res = _scenario(results, "fp32")
     for rank, r in enumerate(res):
-        assert r["exact"] == [True, True], f"rank {rank}: compiled != eager (max diff {r['max_diff']})"
+        assert r["exact"] == [True, True], (
+            f"rank {rank}: compiled != eager (max diff {r['max_diff']})")
         assert r["eager_after_exact"], f"rank {rank}: eager on bound weights changed"
         assert r["ce_calls"] > 0, f"rank {rank}: generated code never calls magi.ce_all_gather"
         assert r["refused"] == [], f"rank {rank}: refused gathers {r['refused']}"
@@ -250,7 +288,16 @@ def test_simple_fsdp_bf16_param_dtype_stays_on_collective(results):
         assert not r["any_slot"], f"rank {rank}: a shard was bound although no gather uses CE"
         assert r["close"], f"rank {rank}: compiled != eager (max diff {r['max_diff']})"
         # Both paths cast the same fp32 shard to bf16 and gather it: bit-exact holds.
-        assert r["exact"], f"rank {rank}: compiled bf16 output not bit-exact (max diff {r['max_diff']})"
+        assert r["exact"], (
+            f"rank {rank}: compiled bf16 output not bit-exact (max diff {r['max_diff']})")
+
+
+def test_simple_fsdp_bf16_weights_noop_cast_copy_engine(results):
+    res = _scenario(results, "bf16_noop")
+    for rank, r in enumerate(res):
+        assert r["refused"] == [], f"rank {rank}: refused gathers {r['refused']}"
+        assert r["bound"] == r["n_params"], (rank, r["bound"], r["n_params"])
+        assert r["exact"], f"rank {rank}: compiled != eager (max diff {r['max_diff']})"
 
 
 def test_no_shared_memory_left(results):

@@ -66,7 +66,10 @@ def open_windows(windows: list[Window]) -> None:
         hdl = symm_mem.rendezvous(buf, name)
         w.local = buf
         w.handle = hdl
-        w.peer_base_ptrs = [int(p) for p in hdl.buffer_ptrs]
+        # The buffer may sit at an offset inside a pooled symmetric allocation; the offset
+        # is the same on every rank.
+        w.base_offset = buf.data_ptr() - int(hdl.buffer_ptrs[hdl.rank])
+        w.peer_base_ptrs = [int(p) + w.base_offset for p in hdl.buffer_ptrs]
     # Symmetric memory cannot reuse the caching allocator's blocks: hand them back.
     torch.cuda.empty_cache()
 
@@ -74,14 +77,19 @@ def open_windows(windows: list[Window]) -> None:
 def slot_local_view(slot: Slot) -> torch.Tensor:
     """This rank's slot as a tensor whose storage starts at the slot (storage_offset 0)."""
     w = slot.window
-    assert slot.offset % slot.dtype.itemsize == 0
-    return w.handle.get_buffer(w.rank, slot.shape, slot.dtype, slot.offset // slot.dtype.itemsize)
+    return w.handle.get_buffer(w.rank, slot.shape, slot.dtype, _elem_offset(slot))
+
+
+def _elem_offset(slot: Slot) -> int:
+    byte_off = slot.window.base_offset + slot.offset
+    assert byte_off % slot.dtype.itemsize == 0
+    return byte_off // slot.dtype.itemsize
 
 
 def publish_slot(slot: Slot) -> None:
     w = slot.window
     slot.peer_ptrs = [base + slot.offset for base in w.peer_base_ptrs]
-    off = slot.offset // slot.dtype.itemsize
+    off = _elem_offset(slot)
     slot.peer_views = [w.handle.get_buffer(r, slot.shape, slot.dtype, off) for r in range(w.group_size)]
 
 

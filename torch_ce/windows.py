@@ -46,6 +46,7 @@ class Window:
     handle: Any = None  # transport-specific (symm_mem handle / host mappings)
     peer_locals: list = dataclasses.field(default_factory=list)  # uint8 views (host)
     peer_base_ptrs: list = dataclasses.field(default_factory=list)  # ints (cuda)
+    base_offset: int = 0  # bytes from the symmetric allocation's base to this window (cuda)
     used: int = 0
 
     @property

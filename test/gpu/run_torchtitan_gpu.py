@@ -25,6 +25,7 @@ if they are unset).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import time
@@ -170,8 +171,10 @@ def main() -> int:
                 "magi.ce_all_gather" not in nccl_code)
 
         ce_outs, ce_code, rec, after_first = compile_and_run(model, xs, "copy_engine")
-        n_ce = ce_code.count("magi.ce_all_gather")
-        C.check("copy_engine: generated code calls magi.ce_all_gather", n_ce > 0, f"{n_ce} call site(s)")
+        n_ce = len(re.findall(r"= torch\.ops\.magi\.ce_all_gather(?:_coalesced)?\.default\(",
+                              ce_code))
+        C.check("copy_engine: generated code calls magi.ce_all_gather", n_ce > 0,
+                f"{n_ce} call(s)")
         C.check("copy_engine: every gather retargeted, none refused",
                 rec is not None and len(rec.bound) == len(params) and not rec.refused,
                 f"bound {len(rec.bound) if rec else None} of {len(params)}, "

@@ -1,7 +1,8 @@
 """``torch-ce bench e2e``: a compiled SimpleFSDP decoder, NCCL vs copy engine vs no-comm bound.
 
-The model of shared/probes/e2e_baseline.py (``torch_ce.simple_fsdp.Decoder``): ``--layers`` decoder layers (RMSNorm, fused
-QKV, SDPA, SwiGLU FFN), bf16, every Linear weight a Shard(0) DTensor over all ranks,
+The model of shared/probes/e2e_baseline.py (``torch_ce.simple_fsdp.Decoder``): ``--layers``
+decoder layers (RMSNorm, fused QKV, SDPA, SwiGLU FFN), bf16, every Linear weight a Shard(0)
+DTensor over all ranks,
 gathered in the forward by a ``redistribute(Replicate()).to_local()`` parametrization,
 compiled with plain ``torch.compile`` for inference (``torch.no_grad()``). Per token count,
 four variants, each a fresh compile (``torch._dynamo.reset()``) of a fresh model built
@@ -56,8 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="soft time budget in s: no new variant starts after it (default 200)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-code", action="store_true",
-                   help="also write rank 0's generated code per variant (first token count) "
-                        "to <out>/e2e_code_<variant>.py")
+                   help="also write rank 0's generated code of the CE variant (first token "
+                        "count) to <out>/e2e_code_ce.py")
     C.add_common_args(p, timeout_s=300)
     return p.parse_args(argv)
 
@@ -179,9 +180,10 @@ def summarize_trace(trace: dict, iterations: int = 1) -> dict:
     """Copy-engine activity of a Chrome trace (torch.profiler export), in microseconds.
 
     The copy stream is the stream with the most ``Memcpy PtoP`` / ``Memcpy DtoD`` time;
-    its copies are the CE activity. ``overlap_us`` is how much of that activity (as a
-    union of intervals) runs while some kernel runs on another stream. Also counts the
-    kernels whose name contains "nccl" (a CE variant should have none).
+    its copies are the CE activity (PtoP: reads from peers; DtoD: this rank's own slot).
+    ``overlap_with_compute_us`` is how much of that activity (as a union of intervals)
+    runs while some kernel runs on another stream. Also counts the kernels whose name
+    contains "nccl" (a CE variant should have none).
     """
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     kernels = [e for e in events if str(e.get("cat", "")).lower() == "kernel"]
@@ -190,16 +192,24 @@ def summarize_trace(trace: dict, iterations: int = 1) -> dict:
     per_stream: dict = {}
     for e in peer:
         s = str(_stream(e))
-        d = per_stream.setdefault(s, dict(n=0, us=0.0, bytes=0))
+        kind = "PtoP" if "PtoP" in str(e.get("name", "")) else "DtoD"
+        d = per_stream.setdefault(s, {}).setdefault(kind, dict(n=0, us=0.0, bytes=0))
         d["n"] += 1
         d["us"] += float(e["dur"])
         d["bytes"] += int((e.get("args") or {}).get("bytes", 0) or 0)
-    copy_stream = max(per_stream, key=lambda s: per_stream[s]["us"]) if per_stream else None
+    for d in per_stream.values():
+        for v in d.values():
+            v["us"] = round(v["us"], 1)
+    copy_stream = (max(per_stream, key=lambda s: sum(v["us"] for v in per_stream[s].values()))
+                   if per_stream else None)
     ce = [e for e in peer if str(_stream(e)) == copy_stream]
+    ptop = [e for e in ce if "PtoP" in str(e.get("name", ""))]
     compute = [e for e in kernels if str(_stream(e)) != copy_stream]
     iv = lambda evs: [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]  # noqa: E731
     ce_iv, comp_iv = iv(ce), iv(compute)
     busy = union_length(ce_iv)
+    ptop_busy = union_length(iv(ptop))
+    ptop_bytes = sum(int((e.get("args") or {}).get("bytes", 0) or 0) for e in ptop)
     overlap = overlap_length(ce_iv, comp_iv)
     gpu_iv = iv(kernels) + iv(copies)
     span = (max(e for _, e in gpu_iv) - min(s for s, _ in gpu_iv)) if gpu_iv else 0.0
@@ -207,7 +217,6 @@ def summarize_trace(trace: dict, iterations: int = 1) -> dict:
     for e in copies:
         n = str(e.get("name", ""))
         names[n] = names.get(n, 0) + 1
-    nbytes = per_stream.get(copy_stream, {}).get("bytes", 0) if copy_stream else 0
     it = max(int(iterations), 1)
     return dict(
         iterations=it,
@@ -220,10 +229,11 @@ def summarize_trace(trace: dict, iterations: int = 1) -> dict:
         overlap_with_compute_us=round(overlap, 1),
         overlap_fraction=round(overlap / busy, 4) if busy else None,
         exposed_copy_us_per_iter=round((busy - overlap) / it, 1),
-        compute_busy_us=round(union_length(comp_iv), 1),
-        gpu_span_us=round(span, 1),
-        ce_copy_gbps=round(nbytes / busy / 1e3, 1) if busy and nbytes else None,
+        compute_busy_us_per_iter=round(union_length(comp_iv) / it, 1),
+        gpu_span_us_per_iter=round(span / it, 1),
+        ptop_gbps=round(ptop_bytes / ptop_busy / 1e3, 1) if ptop_busy and ptop_bytes else None,
         kernels=len(kernels),
+        kernels_on_copy_stream=sum(1 for e in kernels if str(_stream(e)) == copy_stream),
         nccl_kernels=sum("nccl" in str(e.get("name", "")).lower() for e in kernels),
         memcpy_names=names,
     )
@@ -337,7 +347,7 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
             C.sync()
             rec["compile_s"] = round(time.perf_counter() - t0, 1)
             code = "\n".join(codes)
-            if a.get("save_code") and rank == 0 and a.get("_first_T"):
+            if a.get("save_code") and rank == 0 and a.get("_first_T") and name == "ce":
                 p = os.path.join(a["out"], f"e2e_code_{name}.py")
                 os.makedirs(a["out"], exist_ok=True)
                 with open(p, "w") as f:
@@ -350,9 +360,11 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
                   f"magi.ce_all_gather* {rec['code_magi_ce_all_gather_calls']}x, NCCL "
                   f"all_gather_into_tensor* {rec['code_nccl_all_gather_calls']}x")
             st = C.time_stats(lambda: compiled(x), a["iters"], a["warmup"])
-            rec["ms"] = round(st["median_ms"], 3)
+            rec["ms_rank0"] = rec["ms"] = round(st["median_ms"], 3)  # "ms": slowest rank, below
             rec["ms_min"] = round(st["min_ms"], 3)
             rec["ms_max"] = round(st["max_ms"], 3)
+            # CPU time to enqueue one forward: close to ms means the forward is issue-bound.
+            rec["cpu_issue_ms_per_forward"] = round(st.get("cpu_enqueue_ms", 0.0) / st["iters"], 3)
             if trace:
                 C.barrier()
                 if rank == 0:
@@ -384,6 +396,10 @@ def _summarize_report(rec: dict, report) -> None:
             if pl:
                 rec["reorder"]["need_us_total"] = round(sum(p.get("need_us", 0) for p in pl), 1)
                 rec["reorder"]["covered_us_total"] = round(sum(p.get("covered_us", 0) for p in pl), 1)
+                # [name, original unit index, target slot, need us, covered us, compute-limited]
+                rec["reorder_placements"] = [
+                    [p.get("name"), p.get("cur"), p.get("target"), round(p.get("need_us", 0), 1),
+                     round(p.get("covered_us", 0), 1), p.get("compute_limited")] for p in pl]
             bound = [b for gr in report.graphs for b in gr.bound]
             refused: dict = {}
             for gr in report.graphs:
@@ -489,7 +505,11 @@ def _worker(rank: int, world: int, a: dict) -> None:
                 outs[name] = y
                 all_ms = C.exchange(rec.get("ms"), sg)
                 rec["ms_per_rank"] = all_ms
-                C.log(f"[e2e] T={T} {name}: {rec['ms']:.3f} ms / forward"
+                # Ranks of a job step together: the slowest rank's median is the step time.
+                rec["ms"] = max(all_ms)
+                rec["cpu_issue_ms_per_rank"] = C.exchange(rec.get("cpu_issue_ms_per_forward"), sg)
+                C.log(f"[e2e] T={T} {name}: {rec['ms']:.3f} ms / forward (slowest rank; per rank "
+                      f"{rec['ms_per_rank']}, CPU issue {rec['cpu_issue_ms_per_rank']} ms)"
                       + (f"; reorder {rec['reorder']}" if rec.get("reorder") else ""))
                 if rec.get("trace") and "error" in rec["trace"]:
                     C.log(f"[e2e]   trace FAILED: {rec['trace']['error'][:300]}")
@@ -497,7 +517,9 @@ def _worker(rank: int, world: int, a: dict) -> None:
                     t = rec["trace"]
                     C.log(f"[e2e]   trace: CE copies busy {t['ce_copy_busy_us_per_iter']} us/iter, "
                           f"{(t['overlap_fraction'] or 0) * 100:.0f}% overlapped with compute, "
-                          f"exposed {t['exposed_copy_us_per_iter']} us/iter; nccl kernels {t['nccl_kernels']}")
+                          f"exposed {t['exposed_copy_us_per_iter']} us/iter; compute "
+                          f"{t['compute_busy_us_per_iter']} us/iter in a {t['gpu_span_us_per_iter']} us/iter "
+                          f"span (profiled); PtoP {t['ptop_gbps']} GB/s; nccl kernels {t['nccl_kernels']}")
             per[name] = rec
             save()
         # Correctness: every output against the NCCL variant's (and the bound's), this rank.
@@ -517,6 +539,10 @@ def _worker(rank: int, world: int, a: dict) -> None:
             k: all(c.get(k, {}).get("allclose", False) for c in all_checks)
             for k in checks if k != "error"
         }
+        per["checks_equal_all_ranks"] = {
+            k: all(c.get(k, {}).get("equal", False) for c in all_checks)
+            for k in checks if k != "error"
+        }
         ms = {n: per[n].get("ms") for n in variants if isinstance(per.get(n), dict)}
         r = {}
         if ms.get("ce") and ms.get("nccl"):
@@ -530,10 +556,14 @@ def _worker(rank: int, world: int, a: dict) -> None:
         per["ratios"] = r
         tg = [C.target(f"T={T} CE/NCCL", r.get("ce_over_nccl"), "<=", 0.90),
               C.target(f"T={T} CE/bound", r.get("ce_over_bound"), "<=", 1.05)]
-        c = per["checks"].get("ce_vs_nccl")
-        tg.append(C.target(f"T={T} CE output allclose to NCCL (all ranks)",
-                           None if c is None else float(per["checks_allclose_all_ranks"].get("ce_vs_nccl", False)),
-                           ">=", 1.0))
+        # The CE output must be the function's: bit-equal to the replicated model's (same
+        # weights, same kernels) or allclose to the NCCL variant's. NCCL's compiled graph can
+        # pick other kernels and differ from both by bf16 rounding (seen at 4096 tokens).
+        ok_sets = [per["checks_allclose_all_ranks"].get("ce_vs_nccl"),
+                   per["checks_equal_all_ranks"].get("ce_vs_bound")]
+        known = [v for v in ok_sets if v is not None]
+        tg.append(C.target(f"T={T} CE output == bound or allclose to NCCL (all ranks)",
+                           float(any(known)) if known else None, ">=", 1.0))
         ce = per.get("ce") or {}
         if "magi_in_code" in ce:
             tg.append(C.target(f"T={T} CE generated code calls magi.ce_all_gather",
@@ -585,18 +615,23 @@ def _print_summary(result: dict, variants: list[str]) -> None:
         row = [T]
         for v in variants:
             d = per.get(v) or {}
-            row.append(f"{d['ms']:.2f}" if d.get("ms") else ("skipped" if d.get("skipped") else "FAILED"))
+            cpu = max(d.get("cpu_issue_ms_per_rank") or [0] * 1, default=0) or 0
+            row.append(f"{d['ms']:.2f} ({cpu:.1f})" if d.get("ms")
+                       else ("skipped" if d.get("skipped") else "FAILED"))
         r = per.get("ratios", {})
         c = (per.get("checks") or {}).get("ce_vs_nccl") or {}
+        cb = (per.get("checks") or {}).get("ce_vs_bound") or {}
         ro = (per.get("ce") or {}).get("reorder") or {}
         row += [r.get("ce_over_nccl", "-"), r.get("ce_over_bound", "-"),
                 "-" if not c else f"{c['max_abs_diff']:.3g}/{c['allclose']}",
+                "-" if not cb else f"{cb['max_abs_diff']:.3g}/{cb['equal']}",
                 f"{ro.get('launches', '-')}/{ro.get('compute_limited', '-')}"]
         rows.append(row)
     a = result["args"]
     print(f"\n[e2e] {a['layers']} layers, dim {a['dim']}, ffn {a['ffn']}, bf16, world "
-          f"{result['world_size']}: ms per forward (median)", flush=True)
-    print(C.format_table(["tokens", *variants, "CE/NCCL", "CE/bound", "CE-NCCL maxdiff/allclose",
+          f"{result['world_size']}: ms per forward, median of the slowest rank (in brackets: "
+          f"CPU ms to issue one forward, slowest rank)", flush=True)
+    print(C.format_table(["tokens", *variants, "CE/NCCL", "CE/bound", "CE-NCCL maxdiff/allclose", "CE-bound maxdiff/equal",
                           "reorder launches/limited"], rows), flush=True)
     print(f"[e2e] targets ({TARGETS_TEXT}):", flush=True)
     for _, per in sorted(result["results"].items(), key=lambda kv: int(kv[0])):

@@ -20,8 +20,9 @@ from .. import windows as W
 log = logging.getLogger("torch_ce")
 
 
-# Steps whose shards are all bound or refused, keyed by (names, first shard's address):
-# after binding that address is a window slot, unique while the windows live.
+# Steps whose shards are all resolved, keyed by (names, first shard's address). Only
+# recorded when that address is a window slot: unique while the windows live (a freed
+# ordinary tensor's address can be reused by the next model's weight).
 _done: set = set()
 W.on_release(_done.clear)
 
@@ -33,7 +34,7 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
     if key in _done:
         return
     if all(W.lookup(s) is not None for s in shards):
-        _done.add(key)
+        _remember(key, shards[0])
         return
     from ..binding import Candidate, bind_candidates, local_reason
     from ..config import config
@@ -52,4 +53,9 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
     from .. import report
 
     report.record_bind(res)
-    _done.add((tuple(names), shards[0].data_ptr()))
+    _remember((tuple(names), shards[0].data_ptr()), shards[0])
+
+
+def _remember(key, first) -> None:
+    if isinstance(W.lookup(first), W.Slot):
+        _done.add(key)

@@ -33,6 +33,7 @@ _CAST_OPS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default
 _PAD_OPS = {aten.constant_pad_nd.default}
 _RESPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _SLICE_OPS = {aten.slice.Tensor, aten.narrow.default}
+_COPY_OPS = {aten.clone.default, aten.contiguous.default}
 
 
 @dataclasses.dataclass
@@ -113,7 +114,7 @@ def _chain(x: fx.Node) -> tuple[list[fx.Node], fx.Node]:
     return seen, cur
 
 
-def _input_reason(x: fx.Node) -> str:
+def _input_reason(x: fx.Node, ph_index: dict[fx.Node, int]) -> str:
     """Why a non-placeholder gather input is not a parameter's local shard."""
     seen, cur = _chain(x)
     if cur.op != "placeholder" or any(U.is_wait(n) for n in seen):
@@ -125,6 +126,13 @@ def _input_reason(x: fx.Node) -> str:
         return "cast before gather (store inference weights in the compute dtype)"
     if targets & _PAD_OPS:
         return "pad before gather (uneven Shard(0))"
+    if not _is_weight(cur, ph_index[cur]):
+        # e.g. an activation: computed from an input that is not a parameter.
+        return "gather input is not directly a graph input (computed from a non-parameter input)"
+    val = cur.meta.get("val")
+    if targets & _COPY_OPS and val is not None and not val.is_contiguous():
+        # DTensor makes a non-contiguous local shard contiguous before gathering it.
+        return "non-contiguous shard (copied to a contiguous tensor before the gather)"
     return "gather input is a view or copy of a graph input, not the shard itself"
 
 
@@ -181,7 +189,7 @@ def _seed_reason(seed: Seed, val, ph_index, cfg: Config) -> str | None:
     if seed.group_size < 2:
         return "group of size 1: nothing to gather"
     if x.op != "placeholder":
-        return _input_reason(x)
+        return _input_reason(x, ph_index)
     if not _is_weight(x, ph_index[x]):
         return "gather input is a graph input that is not a parameter"
     out = _output_reason(seed.wait)

@@ -43,6 +43,12 @@ def _is_wait(snode) -> bool:
     return isinstance(_kernel(snode), ir._WaitKernel)
 
 
+def _is_bind_step(unit) -> bool:
+    from . import fx_utils as U
+
+    return any(getattr(_kernel(s), "op_overload", None) is U.magi.ce_bind.default for s in unit.snodes)
+
+
 def _is_multi_output(snode) -> bool:
     from torch._inductor import ir
 
@@ -146,6 +152,15 @@ def latest_safe_launch(
         for name in u.outputs:
             producer_pos[name] = i
 
+    # Earliest legal slot per launch, non-decreasing in program order (NOTE [launch order]):
+    # a launch may not pass an earlier launch that still waits for its producers, nor the
+    # bind step (its first run issues collectives of its own).
+    floor = max((i + 1 for i, u in enumerate(base) if _is_bind_step(u)), default=0)
+    earliest_of: dict[int, int] = {}
+    for L in launches:
+        floor = max([floor] + [producer_pos[d] + 1 for d in L.deps if d in producer_pos])
+        earliest_of[id(L)] = floor
+
     slots: dict[int, list[Unit]] = {}
     placements: list[Placement] = []
     upper = len(base)  # a launch may not pass the next launch (NOTE [launch order])
@@ -153,7 +168,7 @@ def latest_safe_launch(
         outs = L.outputs
         consumers = [i for i, u in enumerate(base) if u.deps & outs]
         wait_pos = min(consumers) if consumers else len(base)
-        earliest = max((producer_pos[d] + 1 for d in L.deps if d in producer_pos), default=0)
+        earliest = earliest_of[id(L)]
         need = cost_us(L.snodes[0]) * scale + margin_us
         # Walk up from the wait, counting compute, until it covers the need and the launch
         # sits no later than the next launch.
