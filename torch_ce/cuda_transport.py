@@ -12,6 +12,7 @@ batched API is not capturable) the same reads go out as one cudaMemcpyAsync each
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -58,8 +59,10 @@ def open_windows(windows: list[Window]) -> None:
 
     for w in windows:
         name = w.group.group_name
-        try:  # needed on older torch, a no-op or absent on newer
-            symm_mem.enable_symm_mem_for_group(name)
+        try:  # needed on older torch; deprecated (a warning) or absent on newer
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(name)
         except Exception:
             pass
         buf = symm_mem.empty(max(w.nbytes, 1), dtype=torch.uint8, device=w.device)
