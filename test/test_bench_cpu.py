@@ -75,7 +75,9 @@ def test_save_png_optional(tmp_path, capsys):
 
     got = C.save_png(str(p), draw)
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib
+
+        assert matplotlib.__version__
     except ImportError:
         assert got is None and "matplotlib not installed" in capsys.readouterr().out
     else:
@@ -120,11 +122,14 @@ def test_summarize_trace():
     assert s["overlap_with_compute_us"] == 50 + 50
     assert s["overlap_fraction"] == pytest.approx(100 / 150, abs=1e-4)
     assert s["exposed_copy_us_per_iter"] == 25
-    assert s["nccl_kernels"] == 1 and s["kernels"] == 3
-    assert s["ce_copy_gbps"] == pytest.approx(160 * MB / 150 / 1e3, rel=1e-3)
+    assert s["nccl_kernels"] == 1 and s["kernels"] == 3 and s["kernels_on_copy_stream"] == 0
+    assert s["ptop_gbps"] == pytest.approx(160 * MB / 150 / 1e3, rel=1e-3)
     assert s["memcpy_names"]["Memcpy PtoP (Device -> Device)"] == 2
+    assert s["copy_streams"]["20"]["PtoP"] == dict(n=2, us=160.0, bytes=160 * MB)
+    assert s["copy_streams"]["7"]["DtoD"]["n"] == 1
+    assert s["compute_busy_us_per_iter"] == 102.5 and s["gpu_span_us_per_iter"] == 152.5
     empty = e2e.summarize_trace({"traceEvents": []})
-    assert empty["ce_copies"] == 0 and empty["overlap_fraction"] is None and empty["gpu_span_us"] == 0
+    assert empty["ce_copies"] == 0 and empty["overlap_fraction"] is None and empty["gpu_span_us_per_iter"] == 0
 
 
 def test_code_call_counts():
@@ -181,3 +186,24 @@ def test_short_error():
     except ValueError as e:
         s = C.short_error(e, limit=300)
     assert s.startswith("ValueError: boom") and len(s) <= 320
+
+
+def test_agree_errors_single_process():
+    assert C.agree_errors(None) is None
+    assert C.agree_errors("boom") == "[rank 0] boom"
+    assert C.exchange({"a": 1}) == [{"a": 1}]
+
+
+def test_compare_tolerances():
+    import torch
+
+    ref = torch.tensor([5.75, 0.01, -2.0, 0.0], dtype=torch.bfloat16)
+    ulp = ref.clone()
+    ulp[1] += 0.046875  # about one bf16 ulp at the largest magnitude, on a small element
+    c = e2e._compare(ulp, ref)
+    assert not c["equal"] and not c["allclose"] and c["within_bf16_tol"] and c["finite"]
+    wrong = ref.clone()
+    wrong[2] = 2.0  # a wrong shard: O(max|ref|)
+    c = e2e._compare(wrong, ref)
+    assert not c["within_bf16_tol"] and c["max_abs_diff"] == 4.0
+    assert e2e._compare(ref, ref)["equal"]

@@ -36,10 +36,18 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 
 
+_path_cache: list = []  # [path or None] once looked up: the hot path must not glob
+_batch_cache: list = []  # [bool] once known
+
+
 def library_path() -> str | None:
     """Path of the built library next to this file, or None if it was not built."""
+    if _path_cache and _path_cache[0] is not None:
+        return _path_cache[0]
     found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ce_ops*.so")))
-    return found[0] if found else None
+    path = found[0] if found else None
+    _path_cache[:] = [path]
+    return path
 
 
 def is_built() -> bool:
@@ -88,12 +96,16 @@ def runtime_version() -> int:
 
 def batch_supported() -> bool:
     """True if cudaMemcpyBatchAsync is usable: built, loadable, compiled and running on CUDA >= 12.8."""
+    if _batch_cache:
+        return _batch_cache[0]
     if not is_built():
         return False
     try:
-        return bool(load().torch_ce_batch_supported())
+        ok = bool(load().torch_ce_batch_supported())
     except RuntimeError:
         return False
+    _batch_cache[:] = [ok]
+    return ok
 
 
 def _arrays(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]):

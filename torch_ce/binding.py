@@ -175,12 +175,16 @@ def _mark_fallback(c: Candidate, reason: str) -> None:
 def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
     """Bind resolved candidates: collective over each candidate's group (or ``agree_group``).
 
-    Groups agree one after another in order of first appearance, so ranks that share a
-    dense group but sit in different expert groups never wait on each other's subgroups.
+    Groups agree one after another in one global order (sorted by their ranks), never in
+    each rank's order of first appearance: with a total order no two ranks can wait on each
+    other in different groups (a rank that listed [dense, expert] and a peer that listed
+    [expert, dense] hung before). A rank set that is the whole world agrees over WORLD,
+    whichever group object with those ranks each rank happened to name.
     """
     res = BindResult()
     if not dist.is_initialized():
         raise RuntimeError("torch_ce.bind: torch.distributed is not initialized")
+    world_ranks = W.group_ranks_of(dist.group.WORLD)
     units: dict[tuple, tuple[Any, list[Candidate]]] = {}
     for c in cands:
         entry = W.lookup(c.tensor) if c.tensor is not None else None
@@ -192,8 +196,12 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
             res.skipped[c.name] = c.reason or "no process group"
         else:
             pg = agree_group if agree_group is not None else c.group
-            units.setdefault(W.group_ranks_of(pg), (pg, []))[1].append(c)
-    for pg, members in units.values():
+            ranks = W.group_ranks_of(pg)
+            if ranks == world_ranks:
+                pg = dist.group.WORLD
+            units.setdefault(ranks, (pg, []))[1].append(c)
+    for ranks in sorted(units):
+        pg, members = units[ranks]
         _bind_unit(members, pg, res)
     if res.bound or res.skipped:
         log.info("torch_ce.bind: %s", res)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Work, _register_work
 
 from . import _cuda_lib
+from . import windows as W
 from .windows import Slot, Window
 
 _streams: dict[int, torch.cuda.Stream] = {}
@@ -103,13 +104,8 @@ def gather_into(outs: list[torch.Tensor], slots: list[Slot]) -> None:
     side = copy_stream(device)
     capturing = torch.cuda.is_current_stream_capturing()
     side.wait_stream(cur)
-    dsts, srcs, sizes = [], [], []
-    for out, slot in zip(outs, slots):
-        base, n = out.data_ptr(), slot.nbytes
-        for r, src in enumerate(slot.peer_ptrs):
-            dsts.append(base + r * n)
-            srcs.append(src)
-            sizes.append(n)
+    srcs, sizes, offsets = _bucket_layout(slots)
+    dsts = [out.data_ptr() + off for out, member_offsets in zip(outs, offsets) for off in member_offsets]
     with torch.cuda.stream(side):
         if not capturing and _cuda_lib.batch_supported():
             _cuda_lib.memcpy_batch(dsts, srcs, sizes, side.cuda_stream)
@@ -128,6 +124,26 @@ def gather_into(outs: list[torch.Tensor], slots: list[Slot]) -> None:
         # the copies may still be writing it.
         out.record_stream(side)
         _register_work(out, work)
+
+
+_layouts: dict[tuple, tuple] = {}
+W.on_release(_layouts.clear)
+
+
+def _bucket_layout(slots: list[Slot]) -> tuple[list[int], list[int], list[list[int]]]:
+    """(sources, sizes, per-member destination offsets) of a bucket; static, so cached
+    (this runs once per gather on the hot path)."""
+    key = tuple(id(s) for s in slots)
+    hit = _layouts.get(key)
+    if hit is not None and hit[0] is slots[0]:
+        return hit[1]
+    srcs, sizes, offsets = [], [], []
+    for slot in slots:
+        srcs += slot.peer_ptrs
+        sizes += [slot.nbytes] * len(slot.peer_ptrs)
+        offsets.append([r * slot.nbytes for r in range(len(slot.peer_ptrs))])
+    _layouts[key] = (slots[0], (srcs, sizes, offsets))
+    return srcs, sizes, offsets
 
 
 def available() -> bool:

@@ -265,7 +265,8 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
         entry["ce1_over_nccl_bw"] = _r(entry["nccl"]["us"] / entry["ce1"]["us"])
     C.log(f"[ops] {mib:g} MiB: exact {entry.get('exact')}")
     # Drop every reference to the bound shards; forget the windows (memory goes with them).
-    del big, members, out, state
+    big = members = out = None  # the closures above share these cells
+    state.clear()
     torch_ce.release_all()
     C.barrier()
     return entry
@@ -357,7 +358,7 @@ def _contention(world: int, rank: int, a: dict) -> dict:
         C.log(f"[ops] matmul beside {name:>4}: {mm:.3f} ms vs {alone:.3f} ms alone -> "
               f"slowdown {mm / alone:.3f}x (gather {out_d[name]['gather_ms_contended']:.3f} ms, "
               f"covers the matmuls: {out_d[name]['bg_covers_mm']})")
-    del A, B, shard, out
+    A = B = shard = out = None  # the closures above share these cells
     torch_ce.release_all()
     torch.cuda.empty_cache()
     return out_d
@@ -443,5 +444,8 @@ def _draw(plt, result: dict, world: int, tag: str):
     ax1.set_ylabel("latency, wait(launch()) (us)")
     ax2.set_ylabel("GB/s read from peers per rank")
     ax2.axhline(320, color="gray", ls=":", lw=1)
+    ax2.annotate("320 GB/s target", (sizes[0] if sizes else 1, 322), fontsize=8, color="gray")
+    top = max([e[v]["gbps"] or 0 for e in result["sizes"] for v in ("nccl", "ce1", "ce8") if e.get(v)] or [0])
+    ax2.set_ylim(0, max(350.0, 1.1 * top))
     fig.suptitle(f"torch_ce gather vs NCCL, {tag}, world {world}")
     return fig

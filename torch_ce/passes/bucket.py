@@ -6,6 +6,14 @@ breaks at a group or dtype change, at the size cap (``bucket_size_mib``), and on
 flag, so a bucket is all-bound (``magi.ce_all_gather_coalesced``: one copy-engine
 submission) or all-unbound (``all_gather_into_tensor_coalesced``: one NCCL launch).
 
+# NOTE [refused gathers stay single]
+Gathers the gate refused are never coalesced (each is a bucket of one). Whether a gather
+is refused can differ across ranks (a rank-dependent config such as symm_min_shard_mib),
+and a CE bucket whose binding was refused at run time falls back member by member
+(ops.gather). One collective per gather, in program order, is the only sequence that
+matches on every rank; a coalesced NCCL launch facing single fallback gathers on a peer
+crashed gloo ("Received data size doesn't match") and would hang NCCL.
+
 Before::
 
     %ag0 : magi.ce_all_gather(%w0, 2, '0')
@@ -71,7 +79,8 @@ def plan_buckets(graph: fx.Graph, seeds: list[Seed], cfg: Config) -> list[Bucket
     for run in _runs(graph, [s for s in seeds if s.wait is not None and s.coalescable]):
         cur: list[Seed] = []
         for s in run:
-            if cur and (_key(s) != _key(cur[-1]) or (cap and sum(m.nbytes for m in cur) + s.nbytes > cap)):
+            if cur and (_key(s) != _key(cur[-1]) or not s.eligible  # NOTE [refused gathers stay single]
+                        or (cap and sum(m.nbytes for m in cur) + s.nbytes > cap)):
                 buckets.append(Bucket(cur, cur[0].eligible))
                 cur = []
             cur.append(s)
