@@ -11,8 +11,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-TORCH_CE_CUDA_ARCH=90 timeout ${INSTALL_TIMEOUT:-90} python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 \
-  || { tail -40 "$OUT/install.log"; exit 1; }
+TORCH_CE_CUDA_ARCH=90 timeout ${INSTALL_TIMEOUT:-90} python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/torch_ce_install.log 2>&1 \
+  || { tail -40 /tmp/torch_ce_install.log; exit 1; }
 python3 -c "import torch_ce._cuda_lib as L, torch; print('torch', torch.__version__, 'lib', L.library_path(), 'batch', L.batch_supported(), 'rt', L.runtime_version())"
 TESTS=${TESTS:-"test/test_build.py test/test_ops_cuda.py test/test_compile_cuda.py test/test_refusals_cuda.py"}
 TESTS=$(for t in $TESTS; do [ -f "$t" ] && echo "$t"; done)
