@@ -18,8 +18,12 @@ TESTS=${TESTS:-"test/test_build.py test/test_ops_cuda.py test/test_compile_cuda.
 TESTS=$(for t in $TESTS; do [ -f "$t" ] && echo "$t"; done)
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider $TESTS > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"
-timeout ${TITAN_TIMEOUT:-60} torchrun --nproc_per_node 2 test/gpu/run_torchtitan_gpu.py >> "$OUT/gpu_tests.log" 2>&1
-echo "torchtitan gpu rc=$?"
+if [ "${TITAN:-1}" = 1 ]; then
+  timeout ${TITAN_TIMEOUT:-60} torchrun --nproc_per_node 2 test/gpu/run_torchtitan_gpu.py >> "$OUT/gpu_tests.log" 2>&1
+  echo "torchtitan gpu rc=$?"
+fi
+timeout ${ISSUE_TIMEOUT:-60} torchrun --nproc_per_node 2 bench/issue_cost.py > "$OUT/issue_cost.log" 2>&1
+echo "issue cost rc=$?"
 if [ "${BENCH:-1}" = 1 ]; then
   timeout ${OPS_TIMEOUT:-60} python3 -m torch_ce.cli bench ops --out "$OUT" > "$OUT/bench_ops.log" 2>&1
   echo "bench ops rc=$?"
@@ -27,5 +31,6 @@ if [ "${BENCH:-1}" = 1 ]; then
   echo "bench e2e rc=$?"
 fi
 echo "===== gpu tests"; grep -E "passed|failed|FAIL|PASS|error|Error|^\{|bytes" "$OUT/gpu_tests.log" | tail -30
+echo "===== issue cost"; grep "\[issue\]" "$OUT/issue_cost.log" || tail -5 "$OUT/issue_cost.log"
 echo "===== bench ops"; tail -25 "$OUT/bench_ops.log" 2>/dev/null
 echo "===== bench e2e"; tail -25 "$OUT/bench_e2e.log" 2>/dev/null

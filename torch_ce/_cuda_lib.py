@@ -110,6 +110,8 @@ def batch_supported() -> bool:
 
 def _arrays(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]):
     n = len(dsts)
+    if isinstance(dsts, ctypes.Array) and isinstance(srcs, ctypes.Array) and isinstance(sizes, ctypes.Array):
+        return n, dsts, srcs, sizes  # prebuilt by the caller (the gather hot path)
     if len(srcs) != n or len(sizes) != n:
         raise ValueError(f"torch_ce: dsts, srcs and sizes differ in length ({n}, {len(srcs)}, {len(sizes)})")
     return n, (ctypes.c_void_p * n)(*dsts), (ctypes.c_void_p * n)(*srcs), (ctypes.c_size_t * n)(*sizes)

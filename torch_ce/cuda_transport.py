@@ -98,26 +98,39 @@ def publish_slot(slot: Slot) -> None:
 
 
 def gather_into(outs: list[torch.Tensor], slots: list[Slot]) -> None:
-    """Issue all reads of one bucket on the copy stream and register the outputs' work."""
+    """Issue all reads of one bucket on the copy stream and register the outputs' work.
+
+    This is the hot path (once per gather): the bucket's sources and sizes are cached as
+    ready ctypes arrays, the stream handles are passed straight to the library, and no
+    stream context is entered unless the library is missing.
+    """
     device = outs[0].device
     cur = torch.cuda.current_stream(device)
     side = copy_stream(device)
     capturing = torch.cuda.is_current_stream_capturing()
-    side.wait_stream(cur)
-    srcs, sizes, offsets = _bucket_layout(slots)
-    dsts = [out.data_ptr() + off for out, member_offsets in zip(outs, offsets) for off in member_offsets]
-    with torch.cuda.stream(side):
-        if not capturing and _cuda_lib.batch_supported():
-            _cuda_lib.memcpy_batch(dsts, srcs, sizes, side.cuda_stream)
-        elif _cuda_lib.is_built():
-            _cuda_lib.memcpy_peer_fallback(dsts, srcs, sizes, side.cuda_stream)
-        else:  # no compiled library: the same per-peer reads through torch
+    ready = torch.cuda.Event()
+    ready.record(cur)
+    side.wait_event(ready)  # the outputs were allocated on the current stream
+    layout = _bucket_layout(slots)
+    dsts = layout.dsts
+    i = 0
+    for out, member_offsets in zip(outs, layout.offsets):
+        base = out.data_ptr()
+        for off in member_offsets:
+            dsts[i] = base + off
+            i += 1
+    if not capturing and _cuda_lib.batch_supported():
+        _cuda_lib.memcpy_batch(dsts, layout.srcs, layout.sizes, side.cuda_stream)
+    elif _cuda_lib.is_built():
+        _cuda_lib.memcpy_peer_fallback(dsts, layout.srcs, layout.sizes, side.cuda_stream)
+    else:  # no compiled library: the same per-peer reads through torch
+        with torch.cuda.stream(side):
             for out, slot in zip(outs, slots):
                 chunks = out.view(slot.group_size, *slot.shape)
                 for r, src in enumerate(slot.peer_views):
                     chunks[r].copy_(src, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(side)
+    ev = torch.cuda.Event()
+    ev.record(side)
     work = CopyEngineWork(ev)
     for out in outs:
         # The caching allocator must not hand the output to another stream's work while
@@ -126,24 +139,35 @@ def gather_into(outs: list[torch.Tensor], slots: list[Slot]) -> None:
         _register_work(out, work)
 
 
+class _Layout:
+    """A bucket's static copy plan: ctypes arrays of sources and sizes, a destination array
+    refilled per call (the runtime reads it during the call), per-member offsets."""
+
+    def __init__(self, slots: list[Slot]):
+        import ctypes
+
+        srcs, sizes, self.offsets = [], [], []
+        for slot in slots:
+            srcs += slot.peer_ptrs
+            sizes += [slot.nbytes] * len(slot.peer_ptrs)
+            self.offsets.append([r * slot.nbytes for r in range(len(slot.peer_ptrs))])
+        n = len(srcs)
+        self.srcs = (ctypes.c_void_p * n)(*srcs)
+        self.sizes = (ctypes.c_size_t * n)(*sizes)
+        self.dsts = (ctypes.c_void_p * n)()
+        self.first = slots[0]
+
+
 _layouts: dict[tuple, tuple] = {}
 W.on_release(_layouts.clear)
 
 
-def _bucket_layout(slots: list[Slot]) -> tuple[list[int], list[int], list[list[int]]]:
-    """(sources, sizes, per-member destination offsets) of a bucket; static, so cached
-    (this runs once per gather on the hot path)."""
+def _bucket_layout(slots: list[Slot]) -> _Layout:
     key = tuple(id(s) for s in slots)
     hit = _layouts.get(key)
-    if hit is not None and hit[0] is slots[0]:
-        return hit[1]
-    srcs, sizes, offsets = [], [], []
-    for slot in slots:
-        srcs += slot.peer_ptrs
-        sizes += [slot.nbytes] * len(slot.peer_ptrs)
-        offsets.append([r * slot.nbytes for r in range(len(slot.peer_ptrs))])
-    _layouts[key] = (slots[0], (srcs, sizes, offsets))
-    return srcs, sizes, offsets
+    if hit is None or hit.first is not slots[0]:
+        hit = _layouts[key] = _Layout(slots)
+    return hit
 
 
 def available() -> bool:
