@@ -202,6 +202,9 @@ class _NoWaitStream(torch.cuda.Stream):
     def wait_stream(self, stream):  # noqa: ARG002
         pass
 
+    def wait_event(self, event):  # noqa: ARG002
+        pass
+
 
 def _rank_cuda_ordering(rank, ws, base):
     import torch_ce

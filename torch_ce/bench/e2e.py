@@ -31,7 +31,10 @@ import time
 
 from . import common as C
 
-VARIANTS = ("nccl", "ce", "ce_noreorder", "bound")
+VARIANTS = ("nccl", "ce", "ce_noreorder", "bound", "nccl_cg", "ce_cg", "bound_cg")
+DEFAULT_VARIANTS = ("nccl", "ce", "ce_noreorder", "bound")
+# *_cg: the same variant compiled with mode="reduce-overhead" (CUDA graphs): no per-op
+# CPU issue cost at replay.
 TARGETS_TEXT = "CE <= 0.90x NCCL and CE <= 1.05x the no-communication bound"
 
 
@@ -49,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", default="1024,4096", help="token counts, comma-separated (batch 1)")
     p.add_argument("--iters", type=int, default=20, help="timed forwards per variant (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed forwards first (default 3)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"subset of {','.join(VARIANTS)} (default all)")
     p.add_argument("--trace", action="store_true",
                    help="profile 3 CE iterations on rank 0 and summarise copy/compute overlap")
@@ -323,22 +326,24 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
 
     _cleanup(torch, torch_ce)
     report.clear()
-    if name == "nccl":
+    graphs = name.endswith("_cg")
+    base = name[:-3] if graphs else name
+    if base == "nccl":
         torch_ce.enable(transport="nccl", reorder=True)
-    elif name == "ce":
+    elif base == "ce":
         torch_ce.enable(transport="copy_engine", reorder=True)
-    elif name == "ce_noreorder":
+    elif base == "ce_noreorder":
         torch_ce.enable(transport="copy_engine", reorder=False)
     dev = C.device()
     if name.startswith("ce"):
         rec["ce_cost_curve_at_compile"] = _curve(dev, world)
     t0 = time.perf_counter()
-    if name == "bound":
+    if base == "bound":
         model = build_full(a, dev, a["seed"])
     else:
         model = build_sharded(a, dev, a["seed"], mesh, rank, world)
     rec["build_s"] = round(time.perf_counter() - t0, 2)
-    compiled = torch.compile(model, dynamic=False)
+    compiled = torch.compile(model, dynamic=False, mode="reduce-overhead" if graphs else None)
     try:
         with torch.no_grad():
             t0 = time.perf_counter()
