@@ -290,6 +290,8 @@ def _calibrate(slot: W.Slot) -> None:
 
     try:
         cost.calibrate(slot)
+        if slot.window.device.type == "cuda":
+            cost.measure_peaks(slot.window.device)
     except Exception as e:  # calibration is an optimisation: never fail a bind for it
         log.warning("torch_ce: cost calibration failed (%s); using the default curve", e)
 

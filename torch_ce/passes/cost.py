@@ -188,26 +188,85 @@ def ce_launch_info(snode) -> tuple[int, int, str] | None:
     return None
 
 
-def compute_us(snode) -> float:
-    """Roofline estimate of a compute node, in us: max(flops / peak, bytes / bandwidth).
+# Plausibility floors for a CUDA device's peaks: the H200 run (torch 2.11, triton 3.6,
+# a VM) gave Inductor helper values that made compute look ~1000x slower than it is.
+_MIN_TFLOPS, _MIN_GBPS = 10.0, 200.0
+_FALLBACK_PEAK = (400.0, 2000.0)  # conservative bf16 TFLOP/s, HBM GB/s
+_peaks: dict[str, tuple[float, float]] = {}  # device name -> (TFLOP/s, GB/s), measured
 
-    Computed here rather than through ``get_estimated_runtime()``, whose unit differs
-    across torch releases (ms in 2.13; we measured 1000x too large on 2.11), which would
-    make every launch look covered and place it one kernel before its wait.
-    """
+
+def measure_peaks(device: torch.device) -> tuple[float, float]:
+    """Time one bf16 matmul and one device copy (at bind time, ~10 ms, local only)."""
+    name = torch.cuda.get_device_name(device)
+    if name in _peaks:
+        return _peaks[name]
+    n = 4096
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    src = torch.empty(64 * 2**20, device=device, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+
+    def timed(fn, iters=5):
+        fn()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(iters):
+            fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e) / iters / 1e3  # seconds
+
+    tflops = 2 * n**3 / timed(lambda: torch.mm(a, b)) / 1e12
+    gbps = 2 * src.numel() / timed(lambda: dst.copy_(src)) / 1e9
+    _peaks[name] = (tflops, gbps)
+    log.info("torch_ce: measured %s peaks: %.0f TFLOP/s bf16, %.0f GB/s", name, tflops, gbps)
+    return _peaks[name]
+
+
+def _device_peaks(dtype) -> tuple[float, float]:
+    """(TFLOP/s, GB/s) for the roofline: measured if we have them, else Inductor's helpers
+    when plausible, else a conservative fallback."""
+    try:
+        name = torch.cuda.get_device_name()
+        if name in _peaks:
+            return _peaks[name]
+    except Exception:
+        pass
     try:
         from torch._inductor.utils import get_device_tflops, get_gpu_dram_gbps
 
+        tflops, gbps = float(get_device_tflops(dtype)), float(get_gpu_dram_gbps())
+    except Exception:
+        tflops, gbps = 0.0, 0.0
+    if tflops < _MIN_TFLOPS or gbps < _MIN_GBPS:
+        if not _warned:
+            _warned.append(True)
+            log.warning("torch_ce: implausible device peaks from Inductor (%.3g TFLOP/s, %.3g GB/s); "
+                        "using %s until measured", tflops, gbps, _FALLBACK_PEAK)
+        return _FALLBACK_PEAK
+    return tflops, gbps
+
+
+_warned: list = []
+
+
+def compute_us(snode) -> float:
+    """Roofline estimate of a compute node, in us: max(flops / peak, bytes / bandwidth).
+
+    Computed here rather than through ``get_estimated_runtime()``: its unit and its device
+    peaks differ across torch releases and machines (on the H200 VM with torch 2.11 it came
+    out ~1000x too large, which made every launch look covered and placed it one kernel
+    before its wait). Peaks are measured at bind time (``measure_peaks``).
+    """
+    try:
         node = snode.get_nodes()[0].node
         dtype = node.get_dtype() if hasattr(node, "get_dtype") else torch.float32
         if snode.get_device() is None or snode.get_device().type != "cuda":
             return 0.0
         flops = snode.estimate_flops() or 0
         nbytes = snode.get_read_write_buffers_sizes() or 0
-        tflops, gbps = get_device_tflops(dtype), get_gpu_dram_gbps()
-        t_flops = flops / (tflops * 1e12) if tflops > 0 else 0.0
-        t_bytes = nbytes / (gbps * 1e9) if gbps > 0 else 0.0
-        return max(t_flops, t_bytes) * 1e6
+        tflops, gbps = _device_peaks(dtype)
+        return max(flops / (tflops * 1e12), nbytes / (gbps * 1e9)) * 1e6
     except Exception:
         return 0.0
 
