@@ -23,3 +23,16 @@ def _restore_torch_ce_config():
     yield
     for k, v in saved.items():
         setattr(torch_ce.config, k, v)
+
+
+@pytest.fixture(autouse=True)
+def no_shm_left():
+    """No /dev/shm/torch_ce_* segment of ours survives a test (the host transport unlinks
+    its names at publish time)."""
+    import glob
+
+    pattern = "/dev/shm/torch_ce_*"
+    before = set(glob.glob(pattern))
+    yield
+    left = set(glob.glob(pattern)) - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"

@@ -18,7 +18,6 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 G
 
 
 def _e2e(rank, world, cache_root):
-    import torch.distributed as dist
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile

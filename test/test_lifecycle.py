@@ -18,7 +18,6 @@ Every multi-process check runs through run_ranks (spawned gloo ranks, with a tim
 from __future__ import annotations
 
 import gc
-import glob
 import os
 import random
 import warnings
@@ -29,15 +28,8 @@ import torch.distributed as dist
 
 from mp_harness import run_ranks
 
-SHM_GLOB = "/dev/shm/torch_ce_*"
 
 
-@pytest.fixture(autouse=True)
-def no_shm_left():
-    before = set(glob.glob(SHM_GLOB))
-    yield
-    left = set(glob.glob(SHM_GLOB)) - before
-    assert not left, f"shared-memory segments left behind: {sorted(left)}"
 
 
 def _base() -> int:

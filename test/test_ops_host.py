@@ -8,7 +8,6 @@ below are module level so that spawn can pickle them.
 """
 from __future__ import annotations
 
-import glob
 import random
 import warnings
 
@@ -19,16 +18,8 @@ import torch.distributed as dist
 from mp_harness import run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SHM_GLOB = "/dev/shm/torch_ce_*"
 
 
-@pytest.fixture(autouse=True)
-def no_shm_left():
-    """No /dev/shm/torch_ce_* segment of ours survives a multi-process test."""
-    before = set(glob.glob(SHM_GLOB))
-    yield
-    left = set(glob.glob(SHM_GLOB)) - before
-    assert not left, f"shared-memory segments left behind: {sorted(left)}"
 
 
 def _base() -> int:

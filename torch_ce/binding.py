@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import uuid
 import weakref
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -17,7 +17,6 @@ import logging
 import sys
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 

@@ -22,7 +22,6 @@ agrees over the same candidates even when a refusal is rank-dependent.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from . import fx_utils as U
