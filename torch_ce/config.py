@@ -107,9 +107,22 @@ def _parse(field: dataclasses.Field, raw: str) -> Any:
     return raw.strip()
 
 
+# TORCH_CE_* variables that are not config fields but are known (build and test switches).
+_OTHER_ENV = {"SKIP_CUDA_BUILD", "CUDA_ARCH", "SLOW", "FUZZ_TRIALS", "SLOW_FUZZ_TRIALS"}
+
+
 def from_env(environ: dict | None = None) -> Config:
-    """A Config with every ``TORCH_CE_<FIELD>`` variable applied, validated."""
+    """A Config with every ``TORCH_CE_<FIELD>`` variable applied, validated. A misspelled
+    ``TORCH_CE_*`` variable is reported (a warning), not silently ignored."""
     environ = os.environ if environ is None else environ
+    fields = {f.name.upper() for f in dataclasses.fields(Config)}
+    unknown = sorted(k for k in environ if k.startswith(_ENV_PREFIX)
+                     and k[len(_ENV_PREFIX):] not in fields | _OTHER_ENV)
+    if unknown:
+        import warnings
+
+        warnings.warn(f"torch_ce: unknown environment variable(s) {unknown}; known: "
+                      f"{sorted(_ENV_PREFIX + f for f in fields)}", stacklevel=2)
     kw = {}
     for f in dataclasses.fields(Config):
         raw = environ.get(_ENV_PREFIX + f.name.upper())

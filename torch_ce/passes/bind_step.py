@@ -43,7 +43,14 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
     cands = []
     reasons = reasons or [""] * len(shards)
     for t, gs, gname, name, why in zip(shards, group_sizes, group_names, names, reasons):
-        pg = resolve(gname)
+        try:
+            pg = resolve(gname)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"torch_ce: the bind step of a compiled graph needs process group {gname!r} "
+                f"(for {name}), which is not a live group on this rank (destroyed, or never "
+                "created). Run compiled graphs before destroying their process groups."
+            ) from e
         # A compile-time refusal still takes part in the agreement (as refused).
         reason = why or local_reason(t, pg, config.min_shard_bytes)
         if reason is None and pg.size() != gs:
