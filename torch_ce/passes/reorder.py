@@ -22,6 +22,7 @@ only knows ``_CollectiveKernel``). ``_issues_transfer`` says what is a transfer 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import logging
@@ -69,11 +70,13 @@ class Unit:
     kind: str  # "launch" | "wait" | "compute"
     index: int = 0
 
-    @property
+    # Cached: the sweep asks every unit for these once per launch. Units are complete
+    # (MultiOutput members appended) before anyone asks.
+    @functools.cached_property
     def outputs(self) -> set[str]:
         return {n for s in self.snodes for n in s.get_buffer_names()}
 
-    @property
+    @functools.cached_property
     def deps(self) -> set[str]:
         own = self.outputs
         return {d for s in self.snodes for d in _real_deps(s)} - own
@@ -83,7 +86,7 @@ def _units(snodes) -> list[Unit]:
     units: list[Unit] = []
     for s in snodes:
         if _is_multi_output(s) and units and units[-1].kind == "launch" and (
-            _real_deps(s) <= units[-1].outputs
+            _real_deps(s) <= {n for x in units[-1].snodes for n in x.get_buffer_names()}
         ):
             units[-1].snodes.append(s)
             continue
