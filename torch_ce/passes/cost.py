@@ -158,8 +158,11 @@ def calibrate(slot, sizes_mib=(1, 4, 16, 64)) -> Curve | None:
     try:
         path = _cache_path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
+        # Ranks of one machine share the cache: write atomically, never a half file.
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
             json.dump(dict(dataclasses.asdict(c), points=points), f)
+        os.replace(tmp, path)
     except OSError as e:
         log.debug("torch_ce: could not cache the cost curve: %s", e)
     log.info("torch_ce: calibrated CE gather cost for %s: %.1f us + bytes / %.0f GB/s", key, c.latency_us, c.gbps)
