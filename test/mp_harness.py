@@ -113,3 +113,17 @@ def run_ranks(fn, world_size, *args, timeout=120, backend="gloo", env=None):
         missing = sorted(set(range(world_size)) - set(results))
         pytest.fail(f"{fn.__name__}: timed out (hang?) after {timeout}s; ranks {missing} never finished", pytrace=False)
     return [pickle.loads(results[r]) for r in range(world_size)]
+
+
+def reference_all_gather(t, group=None):
+    """The backend's own all_gather_into_tensor of the same shard: the reference every
+    CE gather is compared with exactly (gloo on CPU, NCCL on GPUs)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    out = t.new_empty((dist.get_world_size(group) * t.shape[0], *t.shape[1:]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # 2.13 prefers all_gather_single
+        dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    return out

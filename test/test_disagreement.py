@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from mp_harness import run_ranks
+from mp_harness import reference_all_gather as _ref_gather
+from torch_ce import all_gather as _ce  # bound-shard gather + wait
 
 FUZZ_TRIALS = int(os.environ.get("TORCH_CE_FUZZ_TRIALS", "6"))
 SLOW = os.environ.get("TORCH_CE_SLOW", "") not in ("", "0")
@@ -50,18 +52,8 @@ def _quiet():
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
-def _ref_gather(t, group=None):
-    """gloo's all_gather_into_tensor of the same shard (the reference)."""
-    n = dist.get_world_size(group)
-    out = t.new_empty((n * t.shape[0], *t.shape[1:]))
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
-    return out
 
 
-def _ce(t, group=None):
-    group = group if group is not None else dist.group.WORLD
-    out = torch.ops.magi.ce_all_gather(t, dist.get_world_size(group), group.group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
 
 
 def _ce_n(ts, group=None):

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from mp_harness import run_ranks
+from mp_harness import reference_all_gather as _ref_gather
+from torch_ce import all_gather as _ce  # bound-shard gather + wait
 
 
 
@@ -61,16 +63,8 @@ def _shm_maps() -> list[str]:
         return [ln.strip() for ln in f if "/dev/shm/torch_ce_" in ln]
 
 
-def _ref_gather(t, group=None):
-    out = t.new_empty((dist.get_world_size(group) * t.shape[0], *t.shape[1:]))
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
-    return out
 
 
-def _ce(t, group=None):
-    group = group if group is not None else dist.group.WORLD
-    out = torch.ops.magi.ce_all_gather(t, dist.get_world_size(group), group.group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
 
 
 def _n_windows() -> int:

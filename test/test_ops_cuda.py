@@ -8,13 +8,13 @@ transport provides) to show that it can fail.
 """
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from mp_harness import run_ranks
+from mp_harness import reference_all_gather as _ref_gather
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
@@ -34,13 +34,6 @@ def _rand(shape, dtype, gen):
     return torch.randn(shape, generator=gen, device=gen.device).to(dtype)
 
 
-def _ref_gather(shard):
-    """NCCL's all_gather_into_tensor of the same shard (the reference)."""
-    out = shard.new_empty((dist.get_world_size() * shard.shape[0], *shard.shape[1:]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        dist.all_gather_into_tensor(out, shard.contiguous())
-    return out
 
 
 def _wait(t):

@@ -9,13 +9,13 @@ below are module level so that spawn can pickle them.
 from __future__ import annotations
 
 import random
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from mp_harness import run_ranks
+from mp_harness import reference_all_gather as _ref_gather
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -35,14 +35,6 @@ def _rand(shape, dtype, gen):
     return torch.randn(shape, generator=gen).to(dtype)
 
 
-def _ref_gather(shard):
-    """gloo's all_gather_into_tensor of the same shard (the reference)."""
-    ws = dist.get_world_size()
-    out = shard.new_empty((ws * shard.shape[0], *shard.shape[1:]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # 2.13 prefers all_gather_single
-        dist.all_gather_into_tensor(out, shard.contiguous())
-    return out
 
 
 def _wait(t):
