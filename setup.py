@@ -1,10 +1,15 @@
 """Build and install torch_ce.
 
-The only compiled piece is csrc/ce_ops.cu, a plain C ABI over the CUDA runtime
-(no torch headers), built with nvcc into torch_ce/_ce_ops*.so and loaded with
-ctypes (torch_ce/_cuda_lib.py). It is built wherever nvcc exists, GPU or not, so
-a broken build fails CI. Without nvcc the package still installs and works
-(host transport, passes, fake impls); only the copy-engine transport is missing.
+Two compiled pieces, both built with nvcc:
+- csrc/ce_ops.cu: a plain C ABI over the CUDA runtime (no torch headers) ->
+  torch_ce/_ce_ops*.so, loaded with ctypes (torch_ce/_cuda_lib.py). Built
+  wherever nvcc exists, GPU or not, so a broken build fails CI.
+- csrc/ce_torch.cpp: the C++ kernels of the magi gathers (NOTE [native gather
+  path]) -> torch_ce/_ce_torch*.so, loaded with torch.ops.load_library
+  (torch_ce/native.py). It links torch's CUDA libraries, so it is built only
+  against a CUDA build of torch; elsewhere the Python kernels serve.
+Without nvcc the package still installs and works (host transport, passes, fake
+impls); only the copy-engine transport is missing.
 
 Environment:
   TORCH_CE_SKIP_CUDA_BUILD=1   do not build the CUDA library
@@ -27,6 +32,7 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 CUDA_SOURCE = "csrc/ce_ops.cu"
+TORCH_SOURCE = "csrc/ce_torch.cpp"
 
 
 def find_nvcc():
@@ -76,6 +82,9 @@ class NvccBuildExt(build_ext):
                  "transport will be unavailable; everything else works.")
             self.extensions = []
             return
+        self._torch_flags = torch_flags()
+        if self._torch_flags is None:
+            self.extensions = [e for e in self.extensions if not e.name.endswith("_ce_torch")]
         super().run()
 
     def build_extension(self, ext):
@@ -83,16 +92,38 @@ class NvccBuildExt(build_ext):
         out = os.path.abspath(self.get_ext_fullpath(ext.name))
         os.makedirs(os.path.dirname(out), exist_ok=True)
         sources = [os.path.abspath(s) for s in ext.sources]
-        cmd = [nvcc, "-O2", "-shared", "-Xcompiler", "-fPIC",
+        cmd = [nvcc, "-O2", "-shared", "-Xcompiler", "-fPIC", "-Icsrc",
                *gencode_flags(os.environ.get("TORCH_CE_CUDA_ARCH", "90")),
                "--cudart", "shared", "-o", out, *sources]
+        if ext.name.endswith("_ce_torch"):
+            cmd[1:1] = self._torch_flags
         note(" ".join(cmd))
         try:
             subprocess.run(cmd, check=True)
         except (OSError, subprocess.CalledProcessError) as e:
-            raise SystemExit(f"torch_ce: building {CUDA_SOURCE} with nvcc failed ({e}). "
+            raise SystemExit(f"torch_ce: building {ext.sources[0]} with nvcc failed ({e}). "
                              "Fix the build, or set TORCH_CE_SKIP_CUDA_BUILD=1 to install "
                              "without the copy-engine transport.") from e
+
+
+def torch_flags():
+    """Compile and link flags for the torch kernels, or None (with a note) when the
+    installed torch is not a CUDA build: its CUDA libraries are what they link."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as e:
+        note(f"skipping {TORCH_SOURCE}: torch is not importable ({e})")
+        return None
+    if torch.version.cuda is None:
+        note(f"skipping {TORCH_SOURCE}: torch {torch.__version__} is a CPU build; "
+             "the magi gathers use their Python kernels")
+        return None
+    incs = cpp_extension.include_paths(device_type="cuda")
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    return ["-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *[f"-I{d}" for d in incs], f"-L{lib_dir}", "-Xlinker", f"-rpath={lib_dir}",
+            "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_cuda"]
 
 
 setup(
@@ -104,7 +135,10 @@ setup(
     install_requires=["torch>=2.11"],
     extras_require={"test": ["pytest", "expecttest"], "plot": ["matplotlib"]},
     entry_points={"console_scripts": ["torch-ce = torch_ce.cli:main"]},
-    ext_modules=[Extension("torch_ce._ce_ops", sources=[CUDA_SOURCE])],
+    ext_modules=[
+        Extension("torch_ce._ce_ops", sources=[CUDA_SOURCE], depends=["csrc/ce_copy.h"]),
+        Extension("torch_ce._ce_torch", sources=[TORCH_SOURCE], depends=["csrc/ce_copy.h"]),
+    ],
     cmdclass={"build_ext": NvccBuildExt},
     zip_safe=False,
 )

@@ -1,8 +1,13 @@
-"""Where the CPU time of one copy-engine gather goes (2 GPUs, torchrun --nproc_per_node 2).
+"""Where the CPU time of one copy-engine gather goes (torchrun --nproc_per_node 2).
 
-Times, per call, in a tight loop on bound shards: the whole op + wait, and its parts
-(lookup, output allocation, stream/event handling, the raw cudaMemcpyBatchAsync call, the
-raw per-peer cudaMemcpyAsync calls, the c10d work). Prints one line per part (us/call).
+Times, per call, in a tight loop on bound shards: the whole op + wait through the C++
+kernel (when built) and through the Python kernel, NCCL's gather, and the Python kernel's
+parts (lookup, output allocation, stream/event handling, the raw cudaMemcpyBatchAsync call,
+the raw per-peer cudaMemcpyAsync calls, the c10d work). Prints one line per row (us/call).
+With one process (``--nproc_per_node 1``, e.g. a one-GPU machine) the shard is a loopback
+slot (``native.register_loopback``: the peer copy is a second local tensor; symmetric
+memory refuses two ranks on one device) and there is no NCCL row: CPU cost is what this
+measures, and it does not depend on where the peer's copy lives.
 """
 import os
 import time
@@ -31,17 +36,26 @@ def _ev_wait(side, dev):
 
 def main():
     rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", device_id=dev)
+    nccl = int(os.environ["WORLD_SIZE"]) > 1
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    if nccl:
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dist.init_process_group("gloo")
     import torch_ce
-    from torch_ce import _cuda_lib, cuda_transport as tr, windows as W
+    from torch_ce import _cuda_lib, native, cuda_transport as tr, windows as W
 
     torch_ce.config.update(cost_mode="default")
     ws = dist.get_world_size()
     g = dist.group.WORLD
     shard = torch.randn(1 << 19, device=dev, dtype=torch.bfloat16)  # 1 MiB
-    torch_ce.bind([shard], group=g)
+    if ws == 1:
+        peer = torch.randn_like(shard)
+        native.register_loopback(shard, peer, g, 0)
+        ws = 2
+    else:
+        torch_ce.bind([shard], group=g)
     slot = W.lookup(shard)
     side = tr.copy_stream(dev)
     out = torch.empty(ws * shard.numel(), device=dev, dtype=shard.dtype)
@@ -50,10 +64,18 @@ def main():
         lay.dsts[i] = out.data_ptr() + off
     op = torch.ops.magi.ce_all_gather.default
     wait = torch.ops._c10d_functional.wait_tensor.default
+    py = torch.ops.torch_ce.gather_python.default
+    opc = torch.ops.magi.ce_all_gather_coalesced.default
+    five = [shard] * 5
+    kernel = "C++" if native.loaded() else "Python"
     rows = {
-        "op + wait_tensor": lambda: wait(op(shard, ws, g.group_name)),
-        "op only": lambda: op(shard, ws, g.group_name),
-        "NCCL all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, shard),
+        f"op + wait_tensor ({kernel} kernel)": lambda: wait(op(shard, ws, g.group_name)),
+        f"op only ({kernel} kernel)": lambda: op(shard, ws, g.group_name),
+        f"coalesced x5 + 5 waits ({kernel})": lambda: [wait(o) for o in opc(five, ws, g.group_name)],
+        "op + wait_tensor (Python kernel)": lambda: wait(py([shard], ws, g.group_name)[0]),
+        "op only (Python kernel)": lambda: py([shard], ws, g.group_name),
+        "coalesced x5 + 5 waits (Python)": lambda: [wait(o) for o in py(five, ws, g.group_name)],
+        "NCCL all_gather_into_tensor": (lambda: dist.all_gather_into_tensor(out, shard)) if nccl else None,
         "windows.lookup": lambda: W.lookup(shard),
         "new_empty output": lambda: shard.new_empty((ws * shard.shape[0],)),
         "current_stream + capturing": lambda: (torch.cuda.current_stream(dev), torch.cuda.is_current_stream_capturing()),
@@ -64,7 +86,7 @@ def main():
         "CopyEngineWork + register": lambda: torch._C._distributed_c10d._register_work(out, tr.CopyEngineWork(torch.cuda.Event())),
         "record_stream": lambda: out.record_stream(side),
     }
-    res = {k: per_call_us(f) for k, f in rows.items()}
+    res = {k: per_call_us(f) for k, f in rows.items() if f is not None}
     dist.barrier()
     if rank == 0:
         for k, v in res.items():

@@ -9,6 +9,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "ce_copy.h"
+
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -43,25 +45,12 @@ TORCH_CE_API int torch_ce_runtime_version(void) {
 // Batched copies need both the headers we were compiled with and the runtime
 // we run on to be CUDA >= 12.8 (where cudaMemcpyBatchAsync appeared).
 TORCH_CE_API int torch_ce_batch_supported(void) {
-#if CUDART_VERSION >= 12080
-  return torch_ce_runtime_version() >= 12080 ? 1 : 0;
-#else
-  return 0;
-#endif
+  return torch_ce_copy::batch_supported() ? 1 : 0;
 }
 
-// One gather bucket = one cudaMemcpyBatchAsync: every (member x peer) read of
-// the bucket goes to the copy engines in a single submission, so the CPU cost
-// is one driver call per bucket (not one per copy), and no SM kernel runs.
-//
-// One attribute set covers all copies:
-// - srcAccessOrder = Stream: the sources are static weights in symmetric
-//   windows, published (one barrier at bind time) before any read, and never
-//   written afterwards; ordinary stream order is all the ordering they need.
-//   (DuringApiCall/Any are for ephemeral or host-malloc sources, not ours.)
-// - flags = PreferOverlapWithCompute (a hint): the point of the transport is to
-//   run beside the matmuls that consume the previous gather.
-// - location hints stay zero: they only matter for managed/pageable memory.
+// One gather bucket = one cudaMemcpyBatchAsync (see ce_copy.h for the
+// attributes): every (member x peer) read of the bucket goes to the copy
+// engines in a single submission.
 TORCH_CE_API int torch_ce_memcpy_batch(void* const* dsts,
                                        const void* const* srcs,
                                        const size_t* sizes, size_t count,
@@ -80,24 +69,9 @@ TORCH_CE_API int torch_ce_memcpy_batch(void* const* dsts,
     return static_cast<int>(cudaErrorInvalidValue);
   }
 #if CUDART_VERSION >= 12080
-  cudaMemcpyAttributes attrs;
-  memset(&attrs, 0, sizeof(attrs));
-  attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attrs.flags = prefer_overlap_with_compute
-                    ? cudaMemcpyFlagPreferOverlapWithCompute
-                    : 0;
-  size_t attrs_idx = 0;  // attrs[0] applies from copy 0 to the end
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-#if CUDART_VERSION >= 13000
-  // CUDA 13 dropped the failIdx out-parameter.
-  cudaError_t err = cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attrs,
-                                         &attrs_idx, 1, s);
-#else
-  size_t fail_idx = 0;
-  cudaError_t err = cudaMemcpyBatchAsync(
-      const_cast<void**>(dsts), const_cast<void**>(srcs),
-      const_cast<size_t*>(sizes), count, &attrs, &attrs_idx, 1, &fail_idx, s);
-#endif
+  cudaError_t err = torch_ce_copy::batch(dsts, srcs, sizes, count,
+                                         prefer_overlap_with_compute != 0,
+                                         static_cast<cudaStream_t>(stream));
   if (err != cudaSuccess) return report(err, func, errbuf, errlen);
   return 0;
 #else
@@ -116,16 +90,14 @@ TORCH_CE_API int torch_ce_memcpy_peer_fallback(void* const* dsts,
                                                const size_t* sizes,
                                                size_t count, void* stream,
                                                char* errbuf, size_t errlen) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  for (size_t i = 0; i < count; ++i) {
-    cudaError_t err =
-        cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, s);
-    if (err != cudaSuccess) {
-      char func[64];
-      snprintf(func, sizeof(func), "cudaMemcpyAsync (copy %zu of %zu)", i,
-               count);
-      return report(err, func, errbuf, errlen);
-    }
+  size_t failed = 0;
+  cudaError_t err = torch_ce_copy::per_copy(
+      dsts, srcs, sizes, count, static_cast<cudaStream_t>(stream), &failed);
+  if (err != cudaSuccess) {
+    char func[64];
+    snprintf(func, sizeof(func), "cudaMemcpyAsync (copy %zu of %zu)", failed,
+             count);
+    return report(err, func, errbuf, errlen);
   }
   return 0;
 }

@@ -83,8 +83,14 @@ def _rank_cuda_exact(rank, ws, base, batched):
     from torch.distributed.tensor import DTensor, Shard
     from torch_ce import _cuda_lib
 
+    from torch_ce import native
+
     dev = torch.device("cuda", rank)
-    if batched:
+    if batched == "native":
+        assert native.loaded(), "the C++ gather kernels are not loaded"
+        kind = "native"
+    elif batched:
+        assert not native.loaded()  # TORCH_CE_NATIVE=0: the Python kernel's paths
         assert _cuda_lib.batch_supported(), (
             f"cudaMemcpyBatchAsync path unavailable: built={_cuda_lib.is_built()}"
         )
@@ -141,10 +147,12 @@ def _rank_cuda_exact(rank, ws, base, batched):
     # Count only the ops' submissions (binding also times a few gathers to calibrate).
     counts.update(batch=0, per_peer=0)
     calls = 0
+    python_calls = 0  # the C++ kernel hands a group named differently from the bind to Python
     for n, t in locals_.items():
         for gname in (mesh_name, world_name):
             check(n, _wait(torch.ops.magi.ce_all_gather(t, ws, gname)), t, refs[n])
             calls += 1
+            python_calls += gname != W.lookup(t).window.group.group_name
     names = list(locals_)
     outs = torch.ops.magi.ce_all_gather_coalesced([locals_[n] for n in names], ws, mesh_name)
     calls += 1
@@ -155,7 +163,10 @@ def _rank_cuda_exact(rank, ws, base, batched):
     for i, o in enumerate(outs):
         check(f"plain{i}", _wait(o), plain[i], plain_refs[i])
     # One submission per op call (one bucket), through the expected path only.
-    assert counts[kind] == calls and sum(counts.values()) == calls, counts
+    if kind == "native":
+        assert sum(counts.values()) == python_calls, (counts, python_calls)
+    else:
+        assert counts[kind] == calls and sum(counts.values()) == calls, counts
 
     # Writing an output changes no shard here or on the peer.
     for o in outs:
@@ -179,9 +190,16 @@ def _rank_cuda_exact(rank, ws, base, batched):
     return dict(counts)
 
 
-@pytest.mark.parametrize("batched", [True, False], ids=["batched", "per_peer"])
+@pytest.mark.parametrize("batched", [True, False, "native"], ids=["batched", "per_peer", "native"])
 def test_cuda_gather_exact(batched):
-    run_ranks(_rank_cuda_exact, WS, _base(), batched, backend="nccl", timeout=300)
+    """The Python kernel's two submission paths (TORCH_CE_NATIVE=0), and the C++ kernel."""
+    if batched == "native":
+        from torch_ce import native
+
+        if native.library_path() is None:
+            pytest.skip("the C++ gather kernels are not built")
+    env = None if batched == "native" else {"TORCH_CE_NATIVE": "0"}
+    run_ranks(_rank_cuda_exact, WS, _base(), batched, backend="nccl", timeout=300, env=env)
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,7 +289,10 @@ def _rank_cuda_ordering(rank, ws, base):
 
 
 def test_cuda_stream_ordering():
-    run_ranks(_rank_cuda_ordering, WS, _base(), backend="nccl", timeout=300)
+    """The Python kernel's stream order, with its controls (the C++ kernel's order is
+    checked in test_native_cuda.py)."""
+    run_ranks(_rank_cuda_ordering, WS, _base(), backend="nccl", timeout=300,
+              env={"TORCH_CE_NATIVE": "0"})
 
 
 # ---------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import native
 from . import windows as W
 from .config import config
 
@@ -280,6 +281,8 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
     for c, slot in slots:
         _transport(slot.window.device).publish_slot(slot)
         W.register(c.tensor, slot)
+        if slot.window.device.type == "cuda" and native.loaded():
+            native.register_slot(slot)  # the C++ kernels' mirror of the registry
     if config.cost_mode == "calibrated":
         _calibrate(max((s for _, s in slots), key=lambda s: s.window.nbytes))
 

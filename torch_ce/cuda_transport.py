@@ -8,6 +8,11 @@ output makes the consumer's stream wait on that event. No SM kernel runs and no 
 waits for another: the sources are static weights published once at bind time.
 When the batched API is missing (runtime < 12.8) or a CUDA graph is being captured (the
 batched API is not capturable) the same reads go out as one cudaMemcpyAsync each.
+
+With the C++ kernels loaded (torch_ce/native.py) the gathers of bound shards run in C++
+(NOTE [native gather path] in csrc/ce_torch.cpp, which also copies this rank's own rows on
+a second stream); this module then serves the windows, the calibration and the ops'
+fallbacks, and is the whole CUDA path where the C++ kernels were not built.
 """
 from __future__ import annotations
 
@@ -133,9 +138,13 @@ def gather_into(outs: list[torch.Tensor], slots: list[Slot]) -> None:
     ev.record(side)
     work = CopyEngineWork(ev)
     for out in outs:
-        # The caching allocator must not hand the output to another stream's work while
-        # the copies may still be writing it.
-        out.record_stream(side)
+        # Outside capture the caching allocator must not hand the output to another
+        # stream's work while the copies may still write it. Under capture a pending
+        # stream use would keep the block allocated in the graph's pool after capture
+        # (CUDA-graph trees reject that); the consumer's wait_tensor joins the copy
+        # stream back before any use or free of the output.
+        if not capturing:
+            out.record_stream(side)
         _register_work(out, work)
 
 

@@ -26,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from . import native
 from . import windows as W
 
 _FUNCTIONAL = torch.ops._c10d_functional
@@ -134,10 +135,20 @@ _lib.define(
     "ce_bind(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names, "
     "str[] reasons) -> ()"
 )
+# The Python kernel under its own name: the C++ kernels hand it every bucket they do not
+# serve (NOTE [native gather path] in csrc/ce_torch.cpp). Never traced, so no fake impl.
+_private = torch.library.Library("torch_ce", "DEF")
+_private.define("gather_python(Tensor[] shards, int group_size, str group_name) -> Tensor[]")
+
+_native = native.load()
+W.on_release(native.clear)
 for _key in ("CPU", "CUDA"):
+    _private.impl("gather_python", gather, _key)
+    _lib.impl("ce_bind", ce_bind, _key)
+    if _key == "CUDA" and _native:
+        continue  # the C++ kernels are registered for CUDA by the library itself
     _lib.impl("ce_all_gather", ce_all_gather, _key)
     _lib.impl("ce_all_gather_coalesced", ce_all_gather_coalesced, _key)
-    _lib.impl("ce_bind", ce_bind, _key)
 
 
 from . import fake_impls  # noqa: E402,F401  (registers the fake impls beside the ops)

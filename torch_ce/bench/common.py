@@ -434,8 +434,11 @@ def env_info(world_size: int | None = None) -> dict:
         import torch_ce
         from torch_ce import _cuda_lib
 
+        from torch_ce import native
+
         info["torch_ce"] = torch_ce.__version__
         info["ce_lib_built"] = _cuda_lib.is_built()
+        info["ce_gather_kernel"] = "C++" if native.loaded() else "Python"
         if _device is not None and _device.type == "cuda":
             try:
                 info["ce_batch_supported"] = bool(_cuda_lib.batch_supported())

@@ -200,6 +200,16 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
         for o in torch.ops.magi.ce_all_gather_coalesced(members, world, gname):
             wait(o)
 
+    from torch_ce import native
+
+    def ce1_inbatch():
+        """ce1 with this rank's own rows inside the peer batch (C++ kernel only)."""
+        native.set_split_local_copy(False)
+        try:
+            ce1()
+        finally:
+            native.set_split_local_copy(True)
+
     # Exactness: CE outputs vs NCCL's, once per size (every rank checks; all must agree).
     exact: dict = {}
     err = None
@@ -232,7 +242,11 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
 
     iters = _iters_for(nbytes, world, a["iters"])
     entry["iters"] = iters
-    for name, fn in (("nccl", nccl), ("ce1", ce1), ("ce8", ce8)):
+    variants = [("nccl", nccl), ("ce1", ce1), ("ce8", ce8)]
+    if native.loaded():
+        variants.append(("ce1_inbatch", ce1_inbatch))
+    entry["kernel"] = "C++" if native.loaded() else "Python"
+    for name, fn in variants:
         if err and name != "nccl":
             entry["errors"][name] = "skipped: the exactness run failed"
             continue
@@ -393,18 +407,22 @@ def _print_summary(result: dict, world: int) -> None:
     for e in result["sizes"]:
         def cell(v):
             d = e.get(v)
+            if d is None and v == "ce1_inbatch" and e.get("kernel") != "C++":
+                return "-"
             return "FAILED" if not d else f"{d['us']:.1f} / {d['gbps'] or 0:.0f}"
 
         def issue(v):
             d = e.get(v)
             return "-" if not d else f"{d['us_issue']:.0f} / {d['cpu_enqueue_us_per_call'] or 0:.0f}"
 
-        rows.append([f"{e['mib']:g}", cell("nccl"), cell("ce1"), cell("ce8"),
+        rows.append([f"{e['mib']:g}", cell("nccl"), cell("ce1"), cell("ce8"), cell("ce1_inbatch"),
                      e.get("ce1_over_nccl_latency", "-"), issue("nccl"), issue("ce1"), issue("ce8"),
                      e.get("exact")])
     print(f"\n[ops] world {world}: device-time latency (us) / GB/s read from peers per rank; "
           f"issue-bound loop: latency / CPU us per call", flush=True)
-    print(C.format_table(["MiB", "NCCL us/GBps", "CE1 us/GBps", "CE8 us/GBps", "CE1/NCCL",
+    print(f"[ops] CE kernel: {result['sizes'][0].get('kernel', '?') if result['sizes'] else '?'}; "
+          "CE1 in-batch: own rows inside the peer batch (else on a second copy stream)", flush=True)
+    print(C.format_table(["MiB", "NCCL us/GBps", "CE1 us/GBps", "CE8 us/GBps", "CE1 in-batch", "CE1/NCCL",
                           "NCCL issue/CPU", "CE1 issue/CPU", "CE8 issue/CPU", "exact"], rows), flush=True)
     c = result.get("contention") or {}
     if "alone_ms" in c:

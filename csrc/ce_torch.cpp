@@ -1,0 +1,349 @@
+// torch_ce: the CUDA kernels of magi::ce_all_gather[_coalesced], in C++.
+//
+// Built by setup.py into torch_ce/_ce_torch*.so, only against a CUDA build of
+// torch, and loaded with torch.ops.load_library (torch_ce/native.py).
+//
+// # NOTE [native gather path]
+// The Python kernel cost ~80 us of CPU per gather and wait_tensor on its Python
+// Work another ~45 us (bench/results, run 2): at 1024 tokens the forward was
+// CPU-bound. Here a gather of bound shards is: one registry lookup per member,
+// the outputs allocated on the current stream, one event so the copy streams
+// start after that allocation, the peer reads in one cudaMemcpyBatchAsync on
+// the peer-copy stream, this rank's own rows on a second (local-copy) stream so
+// the DtoD copy runs beside the peer reads instead of inside their batch, and a
+// C++ c10d Work per bucket whose wait() is one cudaStreamWaitEvent.
+//
+// Anything else (a member that is unbound or refused, a group that differs by
+// name, a dead group, a 0-d shard) is handed, whole, to the Python kernel
+// (torch_ce::gather_python), which raises the clear errors and runs the
+// collective fallbacks. While a CUDA graph is being captured the copies go out
+// one cudaMemcpyAsync each (capturable) and the outputs are not record_stream'd
+// (a block with a pending stream use stays allocated in the graph's pool after
+// capture, which CUDA-graph trees reject): the consumer's wait_tensor joins
+// the copy streams back before any use or free of the outputs.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/library.h>
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "ce_copy.h"
+
+namespace {
+
+#define CE_CUDA_CHECK(expr, what)                                         \
+  do {                                                                    \
+    cudaError_t err__ = (expr);                                           \
+    TORCH_CHECK(err__ == cudaSuccess, "torch_ce: ", what, ": ",          \
+                cudaGetErrorString(err__), " (cudaError ",                \
+                static_cast<int>(err__), ")");                            \
+  } while (0)
+
+// One bound shard: where every rank's copy lives (group-rank order).
+struct Slot {
+  std::vector<void*> peer_ptrs;  // [rank] is this rank's own copy
+  int64_t rank;
+  int64_t nbytes;
+  c10::ScalarType dtype;
+  std::vector<int64_t> shape;
+  std::string group_name;
+};
+
+std::mutex g_mu;
+std::unordered_map<uintptr_t, std::shared_ptr<const Slot>> g_slots;
+bool g_split_local = true;
+
+// Two copy streams per device: peer reads, and this rank's own rows.
+struct DeviceStreams {
+  cudaStream_t peer = nullptr;
+  cudaStream_t local = nullptr;
+};
+std::unordered_map<int, DeviceStreams> g_streams;
+
+// Events: "ready" events are reused at once (a wait snapshots the event);
+// a bucket's "done" event belongs to its Work until the Work dies.
+std::unordered_map<int, std::vector<cudaEvent_t>> g_free_events;
+
+cudaEvent_t take_event(int device) {
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto& v = g_free_events[device];
+    if (!v.empty()) {
+      cudaEvent_t e = v.back();
+      v.pop_back();
+      return e;
+    }
+  }
+  cudaEvent_t e = nullptr;
+  CE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+                "cudaEventCreateWithFlags");
+  return e;
+}
+
+void give_event(int device, cudaEvent_t e) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_free_events[device].push_back(e);
+}
+
+DeviceStreams streams_for(int device) {
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto it = g_streams.find(device);
+    if (it != g_streams.end()) return it->second;
+  }
+  // High priority: the gathers gate compute. Created once and kept for the
+  // life of the process, like torch's own stream pool.
+  int least = 0, greatest = 0;
+  CE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest),
+                "cudaDeviceGetStreamPriorityRange");
+  DeviceStreams ds;
+  CE_CUDA_CHECK(cudaStreamCreateWithPriority(&ds.peer, cudaStreamNonBlocking,
+                                             greatest),
+                "cudaStreamCreateWithPriority");
+  CE_CUDA_CHECK(cudaStreamCreateWithPriority(&ds.local, cudaStreamNonBlocking,
+                                             greatest),
+                "cudaStreamCreateWithPriority");
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto ins = g_streams.emplace(device, ds);
+  if (!ins.second) {  // another thread won the race; keep its streams
+    cudaStreamDestroy(ds.peer);
+    cudaStreamDestroy(ds.local);
+  }
+  return ins.first->second;
+}
+
+bool batch_ok() {
+  static const bool ok = torch_ce_copy::batch_supported();
+  return ok;
+}
+
+// c10d work of one bucket: wait() orders the caller's current stream after the
+// copies. Copies of static, published windows cannot hang, so no timeout.
+class CopyEngineWork : public c10d::Work {
+ public:
+  CopyEngineWork(cudaEvent_t done, int device)
+      : c10d::Work(-1, c10d::OpType::ALLGATHER), done_(done), device_(device) {}
+
+  ~CopyEngineWork() override { give_event(device_, done_); }
+
+  bool wait(std::chrono::milliseconds /*timeout*/) override {
+    auto cur = c10::cuda::getCurrentCUDAStream(device_);
+    CE_CUDA_CHECK(cudaStreamWaitEvent(cur.stream(), done_, 0),
+                  "cudaStreamWaitEvent");
+    return true;
+  }
+
+  bool isCompleted() override {
+    cudaError_t err = cudaEventQuery(done_);
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // not an error: clear it
+      return false;
+    }
+    CE_CUDA_CHECK(err, "cudaEventQuery");
+    return true;
+  }
+
+  bool isSuccess() const override { return true; }
+
+  void synchronize() override {
+    CE_CUDA_CHECK(cudaEventSynchronize(done_), "cudaEventSynchronize");
+  }
+
+ private:
+  cudaEvent_t done_;
+  int device_;
+};
+
+std::vector<at::Tensor> gather_python(at::TensorList shards,
+                                      int64_t group_size,
+                                      c10::string_view group_name) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("torch_ce::gather_python",
+                                                     "");
+  std::vector<c10::IValue> stack;
+  stack.emplace_back(shards.vec());
+  stack.emplace_back(group_size);
+  stack.emplace_back(std::string(group_name));
+  op.callBoxed(&stack);
+  return stack.at(0).toTensorVector();
+}
+
+// The slots of every member if the native path can serve the whole bucket.
+bool resolve(at::TensorList shards, int64_t group_size,
+             c10::string_view group_name,
+             std::vector<std::shared_ptr<const Slot>>& slots) {
+  if (shards.empty() || group_size < 2) return false;
+  slots.reserve(shards.size());
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    for (const auto& s : shards) {
+      if (!s.is_cuda() || s.dim() == 0 || !s.is_contiguous()) return false;
+      auto it = g_slots.find(reinterpret_cast<uintptr_t>(s.data_ptr()));
+      if (it == g_slots.end()) return false;
+      const Slot& slot = *it->second;
+      if (slot.dtype != s.scalar_type() ||
+          static_cast<int64_t>(slot.peer_ptrs.size()) != group_size ||
+          slot.group_name != group_name || !s.sizes().equals(slot.shape) ||
+          s.device() != shards[0].device())
+        return false;
+      slots.push_back(it->second);
+    }
+  }
+  // A destroyed group: let the Python kernel say so.
+  try {
+    (void)c10d::resolve_process_group(std::string(group_name));
+  } catch (const std::exception&) {
+    return false;
+  }
+  return true;
+}
+
+std::vector<at::Tensor> ce_all_gather_coalesced_cuda(
+    at::TensorList shards, int64_t group_size, c10::string_view group_name) {
+  std::vector<std::shared_ptr<const Slot>> slots;
+  if (!resolve(shards, group_size, group_name, slots))
+    return gather_python(shards, group_size, group_name);
+
+  const int device = shards[0].device().index();
+  const c10::cuda::CUDAGuard guard(shards[0].device());  // events and streams live there
+  const auto cur = c10::cuda::getCurrentCUDAStream(device);
+  const DeviceStreams ds = streams_for(device);
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  CE_CUDA_CHECK(cudaStreamIsCapturing(cur.stream(), &cap),
+                "cudaStreamIsCapturing");
+  const bool capturing = cap != cudaStreamCaptureStatusNone;
+  const bool split = g_split_local;
+
+  std::vector<at::Tensor> outs;
+  outs.reserve(shards.size());
+  std::vector<void*> peer_dst, local_dst;
+  std::vector<const void*> peer_src, local_src;
+  std::vector<size_t> peer_size, local_size;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const Slot& slot = *slots[i];
+    std::vector<int64_t> sizes = slot.shape;
+    sizes[0] *= group_size;
+    outs.push_back(at::empty(sizes, shards[i].options()));
+    char* base = static_cast<char*>(outs.back().data_ptr());
+    for (int64_t r = 0; r < group_size; ++r) {
+      const bool own = r == slot.rank && split;
+      (own ? local_dst : peer_dst).push_back(base + r * slot.nbytes);
+      (own ? local_src : peer_src).push_back(slot.peer_ptrs[r]);
+      (own ? local_size : peer_size).push_back(static_cast<size_t>(slot.nbytes));
+    }
+  }
+
+  // The outputs were allocated on the current stream: the copies start after.
+  cudaEvent_t ready = take_event(device);
+  CE_CUDA_CHECK(cudaEventRecord(ready, cur.stream()), "cudaEventRecord");
+  CE_CUDA_CHECK(cudaStreamWaitEvent(ds.peer, ready, 0), "cudaStreamWaitEvent");
+  if (!local_dst.empty())
+    CE_CUDA_CHECK(cudaStreamWaitEvent(ds.local, ready, 0),
+                  "cudaStreamWaitEvent");
+  give_event(device, ready);
+
+  auto submit = [&](std::vector<void*>& d, std::vector<const void*>& s,
+                    std::vector<size_t>& z, cudaStream_t st) {
+    if (d.empty()) return;
+    if (!capturing && batch_ok()) {
+      CE_CUDA_CHECK(torch_ce_copy::batch(d.data(), s.data(), z.data(),
+                                         d.size(), true, st),
+                    "cudaMemcpyBatchAsync");
+    } else {
+      size_t failed = 0;
+      CE_CUDA_CHECK(torch_ce_copy::per_copy(d.data(), s.data(), z.data(),
+                                            d.size(), st, &failed),
+                    "cudaMemcpyAsync");
+    }
+  };
+  submit(peer_dst, peer_src, peer_size, ds.peer);
+  if (!local_dst.empty()) {
+    submit(local_dst, local_src, local_size, ds.local);
+    cudaEvent_t local_done = take_event(device);
+    CE_CUDA_CHECK(cudaEventRecord(local_done, ds.local), "cudaEventRecord");
+    CE_CUDA_CHECK(cudaStreamWaitEvent(ds.peer, local_done, 0),
+                  "cudaStreamWaitEvent");
+    give_event(device, local_done);
+  }
+  cudaEvent_t done = take_event(device);
+  CE_CUDA_CHECK(cudaEventRecord(done, ds.peer), "cudaEventRecord");
+  auto work = c10::make_intrusive<CopyEngineWork>(done, device);
+  const auto peer_stream = c10::cuda::getStreamFromExternal(ds.peer, device);
+  for (auto& out : outs) {
+    // Outside capture the allocator must not hand an output to other work
+    // while the copies may still write it (an output dropped unwaited).
+    if (!capturing)
+      c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(),
+                                                    peer_stream);
+    c10d::register_work(out, work);
+  }
+  return outs;
+}
+
+at::Tensor ce_all_gather_cuda(const at::Tensor& shard, int64_t group_size,
+                              c10::string_view group_name) {
+  return ce_all_gather_coalesced_cuda({shard}, group_size, group_name)[0];
+}
+
+void register_slot(int64_t key, std::vector<int64_t> peer_ptrs, int64_t rank,
+                   int64_t nbytes, c10::ScalarType dtype,
+                   std::vector<int64_t> shape, std::string group_name) {
+  TORCH_CHECK(rank >= 0 && rank < static_cast<int64_t>(peer_ptrs.size()),
+              "torch_ce: register_slot: rank ", rank, " outside the group of ",
+              peer_ptrs.size());
+  TORCH_CHECK(peer_ptrs[rank] == key,
+              "torch_ce: register_slot: the key must be this rank's own copy");
+  auto slot = std::make_shared<Slot>();
+  for (int64_t p : peer_ptrs) slot->peer_ptrs.push_back(reinterpret_cast<void*>(p));
+  slot->rank = rank;
+  slot->nbytes = nbytes;
+  slot->dtype = dtype;
+  slot->shape = std::move(shape);
+  slot->group_name = std::move(group_name);
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_slots[static_cast<uintptr_t>(key)] = std::move(slot);
+}
+
+void clear_slots() {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_slots.clear();
+}
+
+int64_t slot_count() {
+  std::lock_guard<std::mutex> lk(g_mu);
+  return static_cast<int64_t>(g_slots.size());
+}
+
+void set_split_local_copy(bool split) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_split_local = split;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(torch_ce_native, m) {
+  m.def("register_slot(int key, int[] peer_ptrs, int rank, int nbytes, "
+        "ScalarType dtype, int[] shape, str group_name) -> ()",
+        &register_slot);
+  m.def("clear_slots() -> ()", &clear_slots);
+  m.def("slot_count() -> int", &slot_count);
+  m.def("set_split_local_copy(bool split) -> ()", &set_split_local_copy);
+}
+
+TORCH_LIBRARY_IMPL(magi, CUDA, m) {
+  m.impl("ce_all_gather", TORCH_FN(ce_all_gather_cuda));
+  m.impl("ce_all_gather_coalesced", TORCH_FN(ce_all_gather_coalesced_cuda));
+}
