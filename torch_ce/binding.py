@@ -17,6 +17,7 @@ no weight exists twice), and one publish barrier makes every slot readable by pe
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import uuid
@@ -201,14 +202,41 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
             if ranks == world_ranks:
                 pg = dist.group.WORLD
             units.setdefault(ranks, (pg, []))[1].append(c)
-    for ranks in sorted(units):
-        pg, members = units[ranks]
-        _bind_unit(members, pg, res)
+    with _own_stream([c for _, ms in units.values() for c in ms]):
+        for ranks in sorted(units):
+            pg, members = units[ranks]
+            _bind_unit(members, pg, res)
     if res.bound or res.skipped:
         log.info("torch_ce.bind: %s", res)
     for name, why in res.skipped.items():
         log.debug("torch_ce.bind: %s stays on the collective backend: %s", name, why)
     return res
+
+
+@contextlib.contextmanager
+def _own_stream(cands: list[Candidate]):
+    """Run a bind's device work on a stream of its own, ordered after the current one.
+
+    Under CUDA-graph trees (``mode="reduce-overhead"``) a compiled graph's first run routes
+    every allocation made on the current stream into the graph's private pool, and the
+    bind step runs inside that first run. What a bind leaves allocated (a process group's
+    cached barrier tensor, say) would then sit in the pool untracked, and the trees refuse
+    to record ("tensors in the cudagraph pool not tracked as outputs"). On its own stream
+    the bind allocates from the ordinary caching allocator.
+    """
+    devs = {c.tensor.device for c in cands if c.tensor is not None and c.tensor.is_cuda}
+    if not devs:
+        yield
+        return
+    dev = next(iter(devs))
+    cur = torch.cuda.current_stream(dev)
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(cur)  # the shards were produced on the current stream
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        cur.wait_stream(side)  # gathers read the moved shards after the bind
 
 
 def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
