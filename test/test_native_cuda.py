@@ -77,6 +77,52 @@ def _python_submissions():
     return n
 
 
+def _hand_off_errors(dev, shard, world, name) -> dict:
+    """What the C++ kernel does not serve reaches the Python kernel's clear errors."""
+    errors = {}
+    for label, call in (
+        ("unbound", lambda: torch.ops.magi.ce_all_gather(torch.randn(8, device=dev), world, name)),
+        ("group_size", lambda: torch.ops.magi.ce_all_gather(shard, 3, name)),
+        ("dead_group", lambda: torch.ops.magi.ce_all_gather(shard, world, "no-such-group")),
+    ):
+        try:
+            call()
+            errors[label] = "no error"
+        except RuntimeError as e:
+            errors[label] = str(e)
+    return errors
+
+
+def _ordered_exact(shard, world, name, ref) -> bool:
+    """Stream order, nothing synchronised: the current stream is busy when the gather is
+    issued (the copies must start after its allocation) and the consumer runs right after
+    wait_tensor (it must see every copied byte)."""
+    torch.cuda._sleep(int(5e7))
+    out = torch.ops.magi.ce_all_gather(shard, world, name)
+    return bool(torch.equal((_wait(out) * 1).cpu(), ref))
+
+
+def _capture(step):
+    """Warm ``step`` up on a side stream, then capture it; returns (graph, static outputs)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static = step()
+    return g, static
+
+
+def _assert_hand_off_and_order(r) -> None:
+    assert "not bound to a symmetric window" in r["errors"]["unbound"], r
+    assert "does not match" in r["errors"]["group_size"], r
+    assert "not a live process group" in r["errors"]["dead_group"], r
+    assert r["ordered_exact"], r
+
+
 # ---------------------------------------------------------------------------------------
 # One GPU: loopback slots
 # ---------------------------------------------------------------------------------------
@@ -127,24 +173,8 @@ def _loop_exact(rank, world):
     pys = [_wait(o).cpu() for o in torch.ops.torch_ce.gather_python(shards, 2, name)]
     res["python_exact"] = [bool(torch.equal(a, b)) for a, b in zip(pys, exp)]
     res["python_submissions_python"] = py["calls"]
-    errors = {}
-    for label, call in (
-        ("unbound", lambda: torch.ops.magi.ce_all_gather(torch.randn(8, device=dev), 2, name)),
-        ("group_size", lambda: torch.ops.magi.ce_all_gather(shards[0], 3, name)),
-        ("dead_group", lambda: torch.ops.magi.ce_all_gather(shards[0], 2, "no-such-group")),
-    ):
-        try:
-            call()
-            errors[label] = "no error"
-        except RuntimeError as e:
-            errors[label] = str(e)
-    res["errors"] = errors
-    # Stream order, nothing synchronised: the current stream is busy when the gather is
-    # issued (the copies must start after its allocation) and the consumer runs right
-    # after wait_tensor (it must see every copied byte of 128 MiB).
-    torch.cuda._sleep(int(5e7))
-    big = torch.ops.magi.ce_all_gather(shards[3], 2, name)
-    res["ordered_exact"] = bool(torch.equal((_wait(big) * 1).cpu(), exp[3]))
+    res["errors"] = _hand_off_errors(dev, shards[0], 2, name)
+    res["ordered_exact"] = _ordered_exact(shards[3], 2, name, exp[3])  # 128 MiB gathered
     # Control: without wait_tensor the consumer does not wait for the copies.
     torch.cuda._sleep(int(5e7))
     unwaited = torch.ops.magi.ce_all_gather(shards[3], 2, name)
@@ -161,10 +191,7 @@ def test_loopback_gathers_exact_and_hand_off():
         assert all(r[key]), (key, r)
     assert r["python_submissions_native"] == 0, r  # the C++ kernel served every gather
     assert all(r["python_exact"]) and r["python_submissions_python"] > 0, r
-    assert "not bound to a symmetric window" in r["errors"]["unbound"], r
-    assert "does not match" in r["errors"]["group_size"], r
-    assert "not a live process group" in r["errors"]["dead_group"], r
-    assert r["ordered_exact"], r
+    _assert_hand_off_and_order(r)
     # The control is reported, not asserted: an unwaited read may win the race.
     print("control (no wait_tensor) exact:", r["control_unwaited_exact"])
 
@@ -181,15 +208,7 @@ def _loop_graph(rank, world):
         outs = torch.ops.magi.ce_all_gather_coalesced(shards, 2, name)
         return [_wait(o) * 2 for o in outs]
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static = step()
+    g, static = _capture(step)
     res = {}
     for trial in range(2):
         with torch.no_grad():
@@ -280,24 +299,8 @@ def _exact(rank, world):
     pys = [_wait(o).cpu() for o in torch.ops.torch_ce.gather_python(shards, world, name)]
     res["python_exact"] = [bool(torch.equal(a, b)) for a, b in zip(pys, refs)]
     res["python_submissions_python"] = py["calls"]
-    # Whatever the C++ kernel does not serve reaches the Python kernel's clear errors.
-    errors = {}
-    for label, call in (
-        ("unbound", lambda: torch.ops.magi.ce_all_gather(torch.randn(8, device=dev), world, name)),
-        ("group_size", lambda: torch.ops.magi.ce_all_gather(shards[0], 3, name)),
-        ("dead_group", lambda: torch.ops.magi.ce_all_gather(shards[0], world, "no-such-group")),
-    ):
-        try:
-            call()
-            errors[label] = "no error"
-        except RuntimeError as e:
-            errors[label] = str(e)
-    res["errors"] = errors
-    # Stream order: the consumer reads right after wait_tensor, with the current stream
-    # busy before the gather (the copies must start after it) and nothing synchronised.
-    torch.cuda._sleep(int(5e7))
-    big = torch.ops.magi.ce_all_gather(shards[3], world, name)
-    res["ordered_exact"] = bool(torch.equal((_wait(big) * 1).cpu(), refs[3]))
+    res["errors"] = _hand_off_errors(dev, shards[0], world, name)
+    res["ordered_exact"] = _ordered_exact(shards[3], world, name, refs[3])
     return res
 
 
@@ -309,10 +312,7 @@ def test_native_gathers_exact_and_hand_off():
         assert r["python_submissions_native"] == 0, r  # the C++ kernel served every gather
         assert all(r["single_exact"]) and all(r["coalesced_exact"]), r
         assert all(r["python_exact"]) and r["python_submissions_python"] > 0, r
-        assert "not bound to a symmetric window" in r["errors"]["unbound"], r
-        assert "does not match" in r["errors"]["group_size"], r
-        assert "not a live process group" in r["errors"]["dead_group"], r
-        assert r["ordered_exact"], r
+        _assert_hand_off_and_order(r)
 
 
 def _graph(rank, world):
@@ -331,15 +331,7 @@ def _graph(rank, world):
         outs = torch.ops.magi.ce_all_gather_coalesced(shards, world, name)
         return [_wait(o) * 2 for o in outs]
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # warm up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static = step()
+    g, static = _capture(step)
     res = {}
     for trial in range(2):
         with torch.no_grad():  # new contents in place (the windows stay where they are)
