@@ -260,7 +260,7 @@ def _bind_api(rank, ws, mesh):
     import torch.distributed as dist
     import torch_ce
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     torch.manual_seed(4)
     mesh2 = init_device_mesh("cpu", (1, ws))
@@ -280,7 +280,14 @@ def _bind_api(rank, ws, mesh):
     skipped = dict(res.skipped)
     skipped["host_off"] = res_host.skipped.get("param0", "")
     skipped["no_group"] = res_nogroup.skipped.get("param0", "")
-    return dict(bound=res.bound + res_host.bound + res_nogroup.bound, skipped=skipped)
+    # Replicate x Shard(0) (HSDP-style) binds over the shard dim's group, as compiled.
+    full = torch.randn(8 * ws, 8, generator=torch.Generator().manual_seed(5))
+    hsdp = distribute_tensor(full, mesh2, [Replicate(), Shard(0)])
+    res_hsdp = torch_ce.bind({"hsdp": hsdp})
+    gathered = torch_ce.all_gather(hsdp._local_tensor, mesh2.get_group(1))
+    return dict(bound=res.bound + res_host.bound + res_nogroup.bound, skipped=skipped,
+                hsdp=dict(bound=res_hsdp.bound, skipped=res_hsdp.skipped,
+                          exact=bool(torch.equal(gathered, full))))
 
 
 def _rank_matrix(rank, ws, cache_root):
@@ -398,7 +405,7 @@ def test_weight_mutating_graph_keeps_gloo(matrix):
 
 
 @pytest.mark.parametrize("name,want", [
-    ("two_d", "2-D mesh"),
+    ("two_d", "Shard on 2 mesh dims"),
     ("shard1", "not Shard(0)"),
     ("uneven", "uneven"),
     ("noncontig", "non-contiguous"),
@@ -411,6 +418,14 @@ def test_bind_api_refusals(matrix, name, want):
         b = r["bind_api"]
         assert b["bound"] == [], (rank, b)
         assert want in b["skipped"].get(name, ""), (rank, name, b["skipped"])
+
+
+def test_bind_api_binds_replicate_x_shard(matrix):
+    """[Replicate(), Shard(0)] on a (1, 2) mesh: bound over the shard dim, gathered exactly."""
+    for rank, r in enumerate(matrix):
+        h = r["bind_api"]["hsdp"]
+        assert h["bound"] == ["hsdp"] and not h["skipped"], (rank, h)
+        assert h["exact"], (rank, h)
 
 
 # ---------------------------------------------------------------------------------------

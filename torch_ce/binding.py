@@ -90,19 +90,30 @@ def local_reason(t: torch.Tensor, group, min_shard_bytes: int) -> str | None:
 
 
 def candidate_from_param(name: str, p: torch.Tensor, group, min_shard_bytes: int) -> Candidate:
-    """Resolve a DTensor (Shard(0) on a 1-D mesh) or a plain tensor with ``group``."""
+    """Resolve a DTensor or a plain tensor with ``group``.
+
+    A DTensor qualifies with Shard(0) on exactly one mesh dim and Replicate on the others
+    (FSDP, or HSDP's replicate x shard): its local tensor is gathered over that dim's
+    group, as the compiled path does. Shard on two dims would be a gather of a gathered
+    tensor, which the compiled path refuses too.
+    """
     from torch.distributed.tensor import DTensor, Shard
 
     if isinstance(p, DTensor):
-        mesh = p.device_mesh
-        if mesh.ndim != 1:
-            return Candidate(name, None, None, f"{mesh.ndim}-D mesh placement {p.placements}")
-        if tuple(p.placements) != (Shard(0),):
-            return Candidate(name, None, None, f"placement {p.placements[0]}, not Shard(0)")
-        world = mesh.size()
+        mesh, placements = p.device_mesh, tuple(p.placements)
+        sharded = [d for d, pl in enumerate(placements) if pl.is_shard()]
+        if len(sharded) != 1:
+            what = "not sharded" if not sharded else f"Shard on {len(sharded)} mesh dims"
+            return Candidate(name, None, None, f"placement {placements}: {what}")
+        dim = sharded[0]
+        if placements[dim] != Shard(0):
+            return Candidate(name, None, None, f"placement {placements[dim]}, not Shard(0)")
+        if not all(pl.is_replicate() for d, pl in enumerate(placements) if d != dim):
+            return Candidate(name, None, None, f"placement {placements}: not Replicate beside Shard(0)")
+        world = mesh.size(dim)
         if p.shape[0] % world:
             return Candidate(name, None, None, f"uneven Shard(0) ({p.shape[0]} rows over {world})")
-        pg = mesh.get_group(0)
+        pg = mesh.get_group(dim)
         local = p._local_tensor
         return Candidate(name, local, pg, local_reason(local, pg, min_shard_bytes))
     return Candidate(name, p, group, local_reason(p, group, min_shard_bytes))
