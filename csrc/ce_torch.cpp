@@ -34,6 +34,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -64,7 +65,7 @@ struct Slot {
 
 std::mutex g_mu;
 std::unordered_map<uintptr_t, std::shared_ptr<const Slot>> g_slots;
-bool g_split_local = true;
+std::atomic<bool> g_split_local{true};
 
 // Two copy streams per device: peer reads, and this rank's own rows.
 struct DeviceStreams {
@@ -225,7 +226,7 @@ std::vector<at::Tensor> ce_all_gather_coalesced_cuda(
   CE_CUDA_CHECK(cudaStreamIsCapturing(cur.stream(), &cap),
                 "cudaStreamIsCapturing");
   const bool capturing = cap != cudaStreamCaptureStatusNone;
-  const bool split = g_split_local;
+  const bool split = g_split_local.load(std::memory_order_relaxed);
 
   std::vector<at::Tensor> outs;
   outs.reserve(shards.size());
@@ -328,8 +329,7 @@ int64_t slot_count() {
 }
 
 void set_split_local_copy(bool split) {
-  std::lock_guard<std::mutex> lk(g_mu);
-  g_split_local = split;
+  g_split_local.store(split, std::memory_order_relaxed);
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-"""The CUDA library (csrc/ce_ops.cu) is built where nvcc exists and does exact copies.
+"""The CUDA library (csrc/ce_ops.cu) is built where nvcc exists and does exact copies; the
+torch kernels (csrc/ce_torch.cpp) exist exactly where torch is a CUDA build.
 
 The build checks run on CPU-only machines with nvcc (dev, CI), so a broken build
 shows there; the copy checks need a GPU.
@@ -133,3 +134,31 @@ def test_memcpy_batch_rejects_legacy_stream():
 def test_empty_batch_is_noop():
     _cuda_lib.memcpy_batch([], [], [], torch.cuda.Stream().cuda_stream)
     _cuda_lib.memcpy_peer_fallback([], [], [], torch.cuda.Stream().cuda_stream)
+
+
+def test_torch_kernels_follow_the_torch_build():
+    """csrc/ce_torch.cpp links torch's CUDA libraries: built and loaded with a CUDA torch
+    (and nvcc), absent with a CPU torch, where the Python kernel serves every gather."""
+    from torch_ce import native
+
+    if torch.version.cuda is None or not _build_expected:
+        assert native.library_path() is None
+        assert not native.load() and native.slot_count() == 0
+        native.set_split_local_copy(False)  # a no-op without the kernels, never an error
+    else:
+        assert native.library_path() is not None, "csrc/ce_torch.cpp was not built"
+        assert native.load() == (os.environ.get("TORCH_CE_NATIVE", "1") != "0")
+    # The Python kernel is reachable under its own name either way.
+    assert torch.ops.torch_ce.gather_python.default is not None
+
+
+def test_loopback_needs_matching_tensors():
+    from torch_ce import native
+
+    class _Group:
+        group_name = "unused"
+
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        native.register_loopback(torch.zeros(4), torch.zeros(5), _Group())
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        native.register_loopback(torch.zeros(4, 4).t(), torch.zeros(4, 4), _Group())
