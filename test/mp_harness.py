@@ -38,6 +38,9 @@ def free_port() -> int:
 
 
 def _child(rank, world_size, port, backend, env, fn, args, q):
+    import faulthandler
+
+    faulthandler.enable()  # a rank killed by a signal prints its Python stack (stderr)
     os.environ.update(env or {})
     try:
         import torch
