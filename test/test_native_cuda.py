@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_harness import run_ranks
+from mp_harness import count_submissions, reference_all_gather, run_ranks
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -33,10 +33,6 @@ WS = 2
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
-def _backend() -> str:
-    return "nccl"
-
-
 def _device(rank: int) -> torch.device:
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
@@ -47,34 +43,9 @@ def _wait(t):
     return torch.ops._c10d_functional.wait_tensor(t)
 
 
-def _cpu_ref(t: torch.Tensor) -> torch.Tensor:
-    """The gloo/NCCL gather of a CPU copy: independent of every torch_ce code path."""
-    import warnings
-
-    c = t.detach().cpu().contiguous()
-    if _backend() == "nccl":
-        c = c.to(t.device)
-    out = c.new_empty((WS * c.shape[0], *c.shape[1:]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        dist.all_gather_into_tensor(out, c)
-    return out.cpu()
-
-
-def _python_submissions():
-    """Count the Python kernel's copy submissions (the C++ kernel makes none through it)."""
-    from torch_ce import _cuda_lib
-
-    n = {"calls": 0}
-    for name in ("memcpy_batch", "memcpy_peer_fallback"):
-        real = getattr(_cuda_lib, name)
-
-        def counted(*a, _real=real, **k):
-            n["calls"] += 1
-            return _real(*a, **k)
-
-        setattr(_cuda_lib, name, counted)
-    return n
+def _ref(t: torch.Tensor) -> torch.Tensor:
+    """NCCL's gather of the same shard, on the CPU: the reference for every CE gather."""
+    return reference_all_gather(t).cpu()
 
 
 def _hand_off_errors(dev, shard, world, name) -> dict:
@@ -155,7 +126,7 @@ def _loop_exact(rank, world):
     gen = torch.Generator(device=dev).manual_seed(os.getpid())
     name = dist.group.WORLD.group_name
     res = dict(loaded=native.loaded())
-    py = _python_submissions()
+    py = count_submissions()
     keep = []  # every registered tensor stays alive: no address is reused under a stale entry
     for pos in (0, 1):
         for split in (True, False):
@@ -169,10 +140,10 @@ def _loop_exact(rank, world):
             res[f"pos{pos}_split{int(split)}"] = [bool(torch.equal(a, b)) for a, b in zip(singles + outs, exp + exp)]
     native.set_split_local_copy(True)
     res["slots"] = native.slot_count()
-    res["python_submissions_native"] = py["calls"]
+    res["python_submissions_native"] = sum(py.values())
     pys = [_wait(o).cpu() for o in torch.ops.torch_ce.gather_python(shards, 2, name)]
     res["python_exact"] = [bool(torch.equal(a, b)) for a, b in zip(pys, exp)]
-    res["python_submissions_python"] = py["calls"]
+    res["python_submissions_python"] = sum(py.values())
     res["errors"] = _hand_off_errors(dev, shards[0], 2, name)
     res["ordered_exact"] = _ordered_exact(shards[3], 2, name, exp[3])  # 128 MiB gathered
     # Control: without wait_tensor the consumer does not wait for the copies.
@@ -287,18 +258,18 @@ def _exact(rank, world):
     ]
     torch_ce.bind(shards, group=dist.group.WORLD)
     name = dist.group.WORLD.group_name
-    refs = [_cpu_ref(s) for s in shards]
+    refs = [_ref(s) for s in shards]
     res = dict(loaded=native.loaded(), slots=native.slot_count())
-    py = _python_submissions()
+    py = count_submissions()
     singles = [_wait(torch.ops.magi.ce_all_gather(s, world, name)).cpu() for s in shards]
     outs = [_wait(o).cpu() for o in torch.ops.magi.ce_all_gather_coalesced(shards, world, name)]
-    res["python_submissions_native"] = py["calls"]
+    res["python_submissions_native"] = sum(py.values())
     res["single_exact"] = [bool(torch.equal(a, b)) for a, b in zip(singles, refs)]
     res["coalesced_exact"] = [bool(torch.equal(a, b)) for a, b in zip(outs, refs)]
     # The Python kernel gives the same bits (and goes through its own submissions).
     pys = [_wait(o).cpu() for o in torch.ops.torch_ce.gather_python(shards, world, name)]
     res["python_exact"] = [bool(torch.equal(a, b)) for a, b in zip(pys, refs)]
-    res["python_submissions_python"] = py["calls"]
+    res["python_submissions_python"] = sum(py.values())
     res["errors"] = _hand_off_errors(dev, shards[0], world, name)
     res["ordered_exact"] = _ordered_exact(shards[3], world, name, refs[3])
     return res
@@ -306,7 +277,7 @@ def _exact(rank, world):
 
 @two_gpus
 def test_native_gathers_exact_and_hand_off():
-    for r in run_ranks(_exact, WS, backend=_backend(), timeout=300):
+    for r in run_ranks(_exact, WS, backend="nccl", timeout=300):
         print(r)
         assert r["loaded"] and r["slots"] == 4, r
         assert r["python_submissions_native"] == 0, r  # the C++ kernel served every gather
@@ -339,7 +310,7 @@ def _graph(rank, world):
                 sh.copy_(torch.randn(sh.shape, generator=gen, device=dev).to(sh.dtype))
         torch.cuda.synchronize()
         dist.barrier()  # every rank's new contents are in place before anyone reads
-        refs = [_cpu_ref(sh) * 2 for sh in shards]
+        refs = [_ref(sh) * 2 for sh in shards]
         g.replay()
         torch.cuda.synchronize()
         res[f"replay{trial}_exact"] = [bool(torch.equal(o.cpu(), r)) for o, r in zip(static, refs)]
@@ -349,7 +320,7 @@ def _graph(rank, world):
 
 @two_gpus
 def test_native_gather_in_cuda_graph():
-    for r in run_ranks(_graph, WS, backend=_backend(), timeout=300):
+    for r in run_ranks(_graph, WS, backend="nccl", timeout=300):
         print(r)
         assert all(r["replay0_exact"]) and all(r["replay1_exact"]), r
 
@@ -394,7 +365,7 @@ def _compiled_cudagraphs(rank, world, cache_root):
 
 @two_gpus
 def test_compiled_ce_with_cuda_graphs(tmp_path):
-    for r in run_ranks(_compiled_cudagraphs, WS, str(tmp_path), backend=_backend(), timeout=600):
+    for r in run_ranks(_compiled_cudagraphs, WS, str(tmp_path), backend="nccl", timeout=600):
         print(r)
         assert r["cudagraph_skips"] == 0 and r["graph_launches"] >= 1, r
         assert all(r["exact"]), r

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_harness import run_ranks
+from mp_harness import count_submissions, run_ranks
 from mp_harness import reference_all_gather as _ref_gather
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -52,23 +52,6 @@ def _windows_overlap(t) -> bool:
     return False
 
 
-def _count_submissions():
-    """Wrap the two submission paths of the CUDA library to count calls."""
-    from torch_ce import _cuda_lib
-
-    counts = {"batch": 0, "per_peer": 0}
-    real_batch, real_peer = _cuda_lib.memcpy_batch, _cuda_lib.memcpy_peer_fallback
-
-    def batch(*a, **k):
-        counts["batch"] += 1
-        return real_batch(*a, **k)
-
-    def per_peer(*a, **k):
-        counts["per_peer"] += 1
-        return real_peer(*a, **k)
-
-    _cuda_lib.memcpy_batch, _cuda_lib.memcpy_peer_fallback = batch, per_peer
-    return counts
 
 
 # ---------------------------------------------------------------------------------------
@@ -81,9 +64,7 @@ def _rank_cuda_exact(rank, ws, base, batched):
     import torch_ce.windows as W
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    from torch_ce import _cuda_lib
-
-    from torch_ce import native
+    from torch_ce import _cuda_lib, native
 
     dev = torch.device("cuda", rank)
     if batched == "native":
@@ -99,7 +80,7 @@ def _rank_cuda_exact(rank, ws, base, batched):
         assert _cuda_lib.is_built(), "the CUDA library is not built"
         _cuda_lib.batch_supported = lambda: False  # force one cudaMemcpyAsync per read
         kind = "per_peer"
-    counts = _count_submissions()
+    counts = count_submissions()
     gen = torch.Generator(device=dev).manual_seed(base + rank)
     mesh = init_device_mesh("cuda", (ws,))
     mesh_name = mesh.get_group(0).group_name

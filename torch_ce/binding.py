@@ -243,10 +243,8 @@ def _off_the_graph_pool(fn, device: torch.device):
     collectives and publish barrier, which ProcessGroupNCCL keeps until its watchdog
     retires the work) would sit in the pool untracked, and the trees refuse to record
     ("tensors in the cudagraph pool not tracked as outputs"). From its own thread the bind
-    allocates from the ordinary caching allocator. It works on that thread's default
-    stream: a ``torch.cuda.Stream()`` comes from torch's stream pool, which ProcessGroupNCCL
-    draws from too, and calibrating on a stream shared with a communicator measured 12-16
-    GB/s instead of ~380 (the copies queued behind collectives).
+    allocates from the ordinary caching allocator. Binding on a side stream of the same
+    thread did not help (run 8 in bench/results): the routing is by thread.
     """
     caller = torch.cuda.current_stream(device)
     box: dict = {}

@@ -154,6 +154,7 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
     import torch.distributed as dist
 
     import torch_ce
+    from torch_ce import native
 
     wait = torch.ops._c10d_functional.wait_tensor
     dev = C.device()
@@ -199,8 +200,6 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
     def ce8():
         for o in torch.ops.magi.ce_all_gather_coalesced(members, world, gname):
             wait(o)
-
-    from torch_ce import native
 
     def ce1_inbatch():
         """ce1 with this rank's own rows inside the peer batch (C++ kernel only)."""
