@@ -14,10 +14,12 @@
 // C++ c10d Work per bucket whose wait() is one cudaStreamWaitEvent.
 //
 // Anything else (a member that is unbound or refused, a group that differs by
-// name, a dead group, a 0-d shard) is handed, whole, to the Python kernel
-// (torch_ce::gather_python), which raises the clear errors and runs the
-// collective fallbacks. While a CUDA graph is being captured the copies go out
-// one cudaMemcpyAsync each (capturable) and the outputs are not record_stream'd
+// name, a dead group, a 0-d shard, or any bucket while prefetched outputs are
+// parked in Python) is handed, whole, to the Python kernel
+// (torch_ce::gather_python), which raises the clear errors, runs the
+// collective fallbacks and owns the park. While a CUDA graph is being captured
+// the copies go out one cudaMemcpyAsync each (capturable) and the outputs are
+// not record_stream'd
 // (a block with a pending stream use stays allocated in the graph's pool after
 // capture, which CUDA-graph trees reject): the consumer's wait_tensor joins
 // the copy streams back before any use or free of the outputs.
@@ -66,6 +68,9 @@ struct Slot {
 std::mutex g_mu;
 std::unordered_map<uintptr_t, std::shared_ptr<const Slot>> g_slots;
 std::atomic<bool> g_split_local{true};
+// Set while prefetched outputs are parked in Python (NOTE [cross-call prefetch] in
+// torch_ce/prefetch.py): every bucket then goes to the Python kernel, which owns the park.
+std::atomic<bool> g_prefetch_pending{false};
 
 // Two copy streams per device: peer reads, and this rank's own rows.
 struct DeviceStreams {
@@ -215,7 +220,8 @@ bool resolve(at::TensorList shards, int64_t group_size,
 std::vector<at::Tensor> ce_all_gather_coalesced_cuda(
     at::TensorList shards, int64_t group_size, c10::string_view group_name) {
   std::vector<std::shared_ptr<const Slot>> slots;
-  if (!resolve(shards, group_size, group_name, slots))
+  if (g_prefetch_pending.load(std::memory_order_relaxed) ||
+      !resolve(shards, group_size, group_name, slots))
     return gather_python(shards, group_size, group_name);
 
   const int device = shards[0].device().index();
@@ -332,6 +338,10 @@ void set_split_local_copy(bool split) {
   g_split_local.store(split, std::memory_order_relaxed);
 }
 
+void set_prefetch_pending(bool pending) {
+  g_prefetch_pending.store(pending, std::memory_order_relaxed);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torch_ce_native, m) {
@@ -341,6 +351,7 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("clear_slots() -> ()", &clear_slots);
   m.def("slot_count() -> int", &slot_count);
   m.def("set_split_local_copy(bool split) -> ()", &set_split_local_copy);
+  m.def("set_prefetch_pending(bool pending) -> ()", &set_prefetch_pending);
 }
 
 TORCH_LIBRARY_IMPL(magi, CUDA, m) {

@@ -57,11 +57,23 @@ def _calibrate(rank, world, cache_dir):
 
     torch_ce.config.update(cost_cache_dir=cache_dir, cost_mode="calibrated")
     cost._curves.clear()
+    key = cost.link_key(torch.device("cpu"), world)
+    # A curve left on disk by another process (as a small window's noise fit once was).
+    os.makedirs(cache_dir, exist_ok=True)
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(cache_dir, f"ce_cost_{key}.json"), "w") as f:
+            json.dump(dict(latency_us=68.0, gbps=0.001, source="calibrated"), f)
+    torch.distributed.barrier()
+    on_disk = cost.curve_for("cpu", world)
+    # A small window is no calibration: the curve stays what it was.
+    small = torch.randn(4096)
+    torch_ce.bind([small], group=torch.distributed.group.WORLD)
+    after_small = cost.curve_for("cpu", world)
+    torch.distributed.barrier()
     shard = torch.randn(4 * 2**20)  # 16 MiB per rank: the ladder reaches 1, 4, 16 MiB
     torch_ce.bind([shard], group=torch.distributed.group.WORLD)
     slot = W.lookup(shard)
     assert isinstance(slot, W.Slot)
-    key = cost.link_key(torch.device("cpu"), world)
     curve = cost._curves[key]
     with open(os.path.join(cache_dir, f"ce_cost_{key}.json")) as f:
         points = json.load(f)["points"]
@@ -69,7 +81,8 @@ def _calibrate(rank, world, cache_dir):
     cost._curves.clear()
     from_disk = cost.curve_for("cpu", world)
     return dict(source=curve.source, points=points, disk=(from_disk.latency_us, from_disk.gbps),
-                mem=(curve.latency_us, curve.gbps))
+                mem=(curve.latency_us, curve.gbps), on_disk=(on_disk.source, on_disk.gbps),
+                after_small=(after_small.source, after_small.gbps))
 
 
 def test_calibration_on_host_windows(tmp_path):
@@ -83,6 +96,10 @@ def test_calibration_on_host_windows(tmp_path):
         # reliably; growth with bytes is asserted on the curve below and on GPU.
         assert all(t > 0 for t in times), r["points"]
         assert r["disk"] == pytest.approx(r["mem"])
+        # The stale disk curve was read as "cached", survived the small window, and was
+        # replaced by this process's own calibration.
+        assert r["on_disk"] == ("cached", 0.001) and r["after_small"] == ("cached", 0.001), r
+        assert r["mem"][1] > 0.001, r
 
 
 def test_ce_launch_cost_follows_bytes(monkeypatch):

@@ -111,6 +111,45 @@ graph():
         self.assertEqual(len(rec.bound), 2)
         self.assertEqual(rec.refused, [])
 
+    def test_prefetch_next_call(self):
+        """The leading CE weights within the budget, listed once after the last launch."""
+        mlp = self.mlp((8, 16, 8, 4))
+        # Gathered bytes: 512 + 512 + 128; a budget of 1100 B takes the first two.
+        g = self.compile_and_run(mlp, torch.randn(4, 8), transport="copy_engine",
+                                 prefetch_next_call_mib=1100 / 2**20)
+        self.assertExpectedInline(g, """\
+graph():
+    %arg0_1 : [num_users=3] = placeholder[target=arg0_1]
+    %arg1_1 : [num_users=0] = placeholder[target=arg1_1]
+    %arg2_1 : [num_users=1] = placeholder[target=arg2_1]
+    %arg3_1 : [num_users=3] = placeholder[target=arg3_1]
+    %arg4_1 : [num_users=0] = placeholder[target=arg4_1]
+    %arg5_1 : [num_users=2] = placeholder[target=arg5_1]
+    %arg6_1 : [num_users=0] = placeholder[target=arg6_1]
+    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg3_1, %arg5_1], [2, 2, 2], [0, 0, 0], [arg0_1, arg3_1, arg5_1], [, , ]), kwargs = {})
+    %all_gather_into_tensor : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg0_1, 2, 0), kwargs = {})
+    %wait_tensor : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor,), kwargs = {})
+    %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor, [1, 0]), kwargs = {})
+    %mm : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg2_1, %permute), kwargs = {})
+    %all_gather_into_tensor_1 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg3_1, 2, 0), kwargs = {})
+    %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_1,), kwargs = {})
+    %permute_1 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_1, [1, 0]), kwargs = {})
+    %mm_1 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%mm, %permute_1), kwargs = {})
+    %all_gather_into_tensor_2 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg5_1, 2, 0), kwargs = {})
+    %ce_prefetch_default : [num_users=0] = call_function[target=torch.ops.magi.ce_prefetch.default](args = ([%arg0_1, %arg3_1], 2, 0), kwargs = {})
+    %wait_tensor_2 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_2,), kwargs = {})
+    %permute_2 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_2, [1, 0]), kwargs = {})
+    %mm_2 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%mm_1, %permute_2), kwargs = {})
+    return (mm_2,)""")
+        self.assertEqual(report.graphs[-1].prefetch["members"], ["arg0_1", "arg3_1"])
+
+    def test_prefetch_budget_below_first_bucket(self):
+        g = self.compile_and_run(self.mlp(), torch.randn(4, 8), transport="copy_engine",
+                                 prefetch_next_call_mib=100 / 2**20)
+        self.assertNotIn("ce_prefetch", g)
+        self.assertEqual(report.graphs[-1].prefetch["members"], [])
+        self.assertIn("> prefetch_next_call_mib", report.graphs[-1].prefetch["what"])
+
     def test_transport_nccl_untouched(self):
         g = self.compile_and_run(self.mlp(), torch.randn(4, 8), transport="nccl")
         self.assertNotIn("magi", g)

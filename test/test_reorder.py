@@ -99,6 +99,7 @@ class ReorderTest(TestCase):
         return "compute"
 
     def names(self, snodes):
+        self._snodes = {s.get_name(): s for s in snodes}
         return [f"{s.get_name()}:{self.kind(s)}" for s in snodes]
 
     def run_model(self, model, x, **cfg):
@@ -120,6 +121,9 @@ class ReorderTest(TestCase):
                 self.assertGreaterEqual(p["covered_us"], p["need_us"])
                 self.assertLess(p["covered_us"] - COMPUTE_US, p["need_us"])
         self.assertTrue(any(p["compute_limited"] for p in placements))
+        # The deadline is the first consumer, and the launch sits before it.
+        for p in placements:
+            self.assertLessEqual(p["target"], p["deadline"], placements)
 
     def test_ce_op_is_a_transfer_not_compute(self):
         self.run_model(Layers(self.mesh, n=2), torch.randn(4, 16), transport="copy_engine")
@@ -145,6 +149,22 @@ class ReorderTest(TestCase):
                 self.assertEqual(kinds[i + 1:i + 3], ["item", "item"], after)
         self.assertEqual(kinds.count("item"), 6)
         self.assertExpectedInline(" ".join(after), """op0:bind op1:ce op2:item op3:item op4:wait op6:compute op9:ce op10:item op11:item op7:compute op5:wait op8:compute op14:compute op12:wait op15:compute op18:ce op19:item op20:item op16:compute op13:wait op17:compute op23:compute op21:wait op24:compute op25:compute op22:wait op26:compute op27:compute""")
+
+    def test_prefetch_is_a_launch_after_the_last_gather(self):
+        """The cross-call prefetch is a CE launch: costed as one, never counted as compute,
+        never ahead of the graph's other launches (NOTE [launch order])."""
+        _, after = self.run_model(Layers(self.mesh, n=4), torch.randn(4, 16), transport="copy_engine",
+                                  prefetch_next_call_mib=1.0)
+        launches = [i for i, k in enumerate(after) if k.endswith(":ce")]
+        prefetch_pos = [i for i, k in enumerate(after) if k.endswith(":ce") and self._is_prefetch(k)]
+        self.assertEqual(len(prefetch_pos), 1, after)
+        self.assertEqual(prefetch_pos[0], launches[-1], after)
+        self.assertEqual(len(report.graphs[-1].reorder["placements"]), 5)
+        self.assertExpectedInline(" ".join(after), """op0:bind op1:ce op2:item op5:ce op6:item op3:wait op4:compute op10:ce op11:item op8:compute op7:wait op9:compute op15:ce op16:item op13:compute op12:wait op14:compute op17:ce op19:compute op18:wait op20:compute op21:compute""")
+
+    def _is_prefetch(self, name):
+        op = getattr(self._snodes.get(name.split(":")[0]), "node", None)
+        return getattr(op, "op_overload", None) is torch.ops.magi.ce_prefetch.default
 
     def test_nccl_gathers_keep_their_order(self):
         self.launch_us = 30.0

@@ -6,6 +6,8 @@ Public API:
   all_gather(shard, group)       gather one bound shard (op + wait), eager convenience
   config                         the settings (see torch_ce/config.py; TORCH_CE_* env vars)
   explain()                      what the passes and binds did
+  drop_prefetched()              forget gathers prefetched for the next call (after a
+                                 weight update; NOTE [cross-call prefetch] in prefetch.py)
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ __version__ = "0.1.0"
 from . import ops  # noqa: F401  (defines torch.ops.magi.*)
 from .binding import BindResult, bind
 from .config import config
+from .prefetch import drop as drop_prefetched
 from .windows import release_all
 
 
@@ -45,4 +48,5 @@ def explain(print_table: bool = False):
     return _explain(print_table=print_table)
 
 
-__all__ = ["BindResult", "all_gather", "bind", "config", "disable", "enable", "explain", "release_all"]
+__all__ = ["BindResult", "all_gather", "bind", "config", "disable", "drop_prefetched", "enable", "explain",
+           "release_all"]

@@ -32,6 +32,11 @@ class Config:
     comm_overlap_margin_us: float = 5.0
     # Install the latest-safe-launch reorder (for both transports) while enabled.
     reorder: bool = True
+    # Gather the graph's leading CE weights (whole buckets, at most this many MiB of gathered
+    # output) at the end of each call, for the next call (0: off). The outputs stay
+    # allocated between calls; weights must not change unless drop_prefetched() is called.
+    # NOTE [cross-call prefetch] in torch_ce/prefetch.py.
+    prefetch_next_call_mib: float = 0.0
     # "calibrated": time wait(launch()) on the real windows after binding and use that
     # curve; "default": the documented curve from our H200 measurements only.
     cost_mode: str = "calibrated"
@@ -47,7 +52,8 @@ class Config:
             raise ValueError(
                 f"torch_ce: cost_mode must be one of {COST_MODES}, got {self.cost_mode!r}"
             )
-        for name in ("symm_min_shard_mib", "bucket_size_mib", "comm_overlap_margin_us"):
+        for name in ("symm_min_shard_mib", "bucket_size_mib", "comm_overlap_margin_us",
+                     "prefetch_next_call_mib"):
             if getattr(self, name) < 0:
                 raise ValueError(f"torch_ce: {name} must be >= 0, got {getattr(self, name)!r}")
         if self.window_cap_mib <= 0:

@@ -21,3 +21,8 @@ def _ce_all_gather_coalesced_fake(shards, group_size: int, group_name: str):
 @torch.library.register_fake("magi::ce_bind")
 def _ce_bind_fake(shards, group_sizes, group_names, names, reasons) -> None:
     return None
+
+
+@torch.library.register_fake("magi::ce_prefetch")
+def _ce_prefetch_fake(shards, group_size: int, group_name: str) -> None:
+    return None

@@ -20,7 +20,7 @@ def register_lowerings() -> None:
     from . import ops  # noqa: F401  (the ops must exist)
 
     magi = torch.ops.magi
-    for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_bind):
+    for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_bind, magi.ce_prefetch):
         for overload in op.overloads():
             target = getattr(op, overload)
             if target not in lowering.lowerings:

@@ -76,6 +76,13 @@ def set_split_local_copy(split: bool) -> None:
         torch.ops.torch_ce_native.set_split_local_copy(bool(split))
 
 
+def set_prefetch_pending(pending: bool) -> None:
+    """While prefetched outputs are parked, hand every bucket to the Python kernel, which
+    knows the park (NOTE [cross-call prefetch] in prefetch.py)."""
+    if loaded():
+        torch.ops.torch_ce_native.set_prefetch_pending(bool(pending))
+
+
 def register_loopback(mine, peer, group, rank: int = 0):
     """Bind ``mine`` as a 2-rank slot whose other rank's copy is the local tensor ``peer``.
 

@@ -19,6 +19,12 @@ copies. The host transport (CPU) completes before returning.
 The bind step the compiler inserts at the head of a graph (NOTE [run-time bind] in
 passes/bind_step.py). Declared as mutating its shards so Inductor keeps every read of them
 after it; it moves them into windows on its first run and costs one dict lookup after.
+
+    magi::ce_prefetch(Tensor(a!)[] shards, int group_size, str group_name) -> ()
+
+Gathers the next call's first weights at the end of this one and parks the outputs for
+the next gathers of ``shards`` (NOTE [cross-call prefetch] in prefetch.py). Declared as
+mutating its shards only so Inductor keeps it (it has no output); it writes nothing.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from . import native
+from . import native, prefetch
 from . import windows as W
 
 _FUNCTIONAL = torch.ops._c10d_functional
@@ -87,8 +93,13 @@ def gather(shards: Sequence[torch.Tensor], group_size: int, group_name: str) -> 
         return [s.clone() for s in shards]
     _check_live(group_name)
     outs: list[torch.Tensor | None] = [None] * len(shards)
+    if prefetch._parked:  # NOTE [cross-call prefetch]
+        for i, o in prefetch.take(shards, group_name).items():
+            outs[i] = o
     bound_idx, slots = [], []
     for i, s in enumerate(shards):
+        if outs[i] is not None:
+            continue
         entry = W.lookup(s)
         if isinstance(entry, W.Slot):
             _check_group(entry, group_size, group_name)
@@ -120,6 +131,10 @@ def ce_all_gather_coalesced(
     return gather(shards, group_size, group_name)
 
 
+def ce_prefetch(shards: list[torch.Tensor], group_size: int, group_name: str) -> None:
+    prefetch.prefetch(shards, group_size, group_name)
+
+
 def ce_bind(shards, group_sizes, group_names, names, reasons) -> None:
     from .passes.bind_step import run_bind_step
 
@@ -135,6 +150,7 @@ _lib.define(
     "ce_bind(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names, "
     "str[] reasons) -> ()"
 )
+_lib.define("ce_prefetch(Tensor(a!)[] shards, int group_size, str group_name) -> ()")
 # The Python kernel under its own name: the C++ kernels hand it every bucket they do not
 # serve (NOTE [native gather path] in csrc/ce_torch.cpp). Never traced, so no fake impl.
 _private = torch.library.Library("torch_ce", "DEF")
@@ -145,6 +161,7 @@ W.on_release(native.clear)
 for _key in ("CPU", "CUDA"):
     _private.impl("gather_python", gather, _key)
     _lib.impl("ce_bind", ce_bind, _key)
+    _lib.impl("ce_prefetch", ce_prefetch, _key)
     if _key == "CUDA" and _native:
         continue  # the C++ kernels are registered for CUDA by the library itself
     _lib.impl("ce_all_gather", ce_all_gather, _key)

@@ -19,6 +19,7 @@ class GraphRecord:
     refused: list = dataclasses.field(default_factory=list)  # dicts: name, reason
     buckets: list = dataclasses.field(default_factory=list)  # dicts: kind, members, bytes
     reorder: dict = dataclasses.field(default_factory=dict)
+    prefetch: dict = dataclasses.field(default_factory=dict)  # members, bytes (gathered)
 
     @property
     def refusal_counts(self) -> dict:

@@ -11,6 +11,11 @@ from the same seed, so all compute the same function:
   nccl          torch_ce.enable(transport="nccl")            our reorder, gathers on NCCL
   ce            torch_ce.enable(transport="copy_engine")     gathers on the copy engines
   ce_noreorder  torch_ce.enable(transport="copy_engine", reorder=False)
+An ablation (not in the default set):
+
+  ce_prefetch   ce, prefetching the next forward's first weights at the end of each
+                forward (``prefetch_next_call_mib``, NOTE [cross-call prefetch] in
+                torch_ce/prefetch.py): ``--prefetch-mib``, by default one decoder layer
   bound         the same model replicated on every GPU (no DTensor, no communication)
 
 Reports ms per forward (median of per-iteration CUDA events), CE/NCCL and CE/bound, the
@@ -23,6 +28,7 @@ Writes ``<out>/e2e_<gpu>_w<world>.json`` (after every variant) and ``e2e_<gpu>_w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -31,7 +37,7 @@ import time
 
 from . import common as C
 
-VARIANTS = ("nccl", "ce", "ce_noreorder", "bound", "nccl_cg", "ce_cg", "bound_cg")
+VARIANTS = ("nccl", "ce", "ce_noreorder", "ce_prefetch", "bound", "nccl_cg", "ce_cg", "bound_cg")
 DEFAULT_VARIANTS = ("nccl", "ce", "ce_noreorder", "bound")
 # *_cg: the same variant compiled with mode="reduce-overhead" (CUDA graphs): no per-op
 # CPU issue cost at replay.
@@ -59,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=200.0,
                    help="soft time budget in s: no new variant starts after it (default 200)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefetch-mib", type=float, default=0.0,
+                   help="prefetch_next_call_mib of the ce_prefetch variant (default 0: one "
+                        "decoder layer's gathered weights)")
     p.add_argument("--save-code", action="store_true",
                    help="also write rank 0's generated code of the CE variant (first token "
                         "count) to <out>/e2e_code_ce.py")
@@ -85,6 +94,15 @@ def main(argv=None) -> int:
 # ---------------------------------------------------------------------------------------
 # The model (torch_ce.simple_fsdp: shared/probes/e2e_baseline.py's decoder)
 # ---------------------------------------------------------------------------------------
+
+
+def prefetch_mib(a: dict) -> float:
+    """ce_prefetch's prefetch_next_call_mib: ``--prefetch-mib``, or by default one decoder
+    layer's gathered weights (fused QKV, output, SwiGLU's three) plus 1 MiB of slack."""
+    if a.get("prefetch_mib", 0.0) > 0:
+        return float(a["prefetch_mib"])
+    d, f = a["dim"], a["ffn"]
+    return (4 * d * d + 3 * d * f) * 2 / 2**20 + 1.0
 
 
 def build_full(a: dict, dev, seed: int):
@@ -308,6 +326,10 @@ def _fresh_caches(rank: int) -> str:
 def _cleanup(torch, torch_ce) -> None:
     torch._dynamo.reset()
     torch_ce.disable()
+    # No rank frees its windows while a peer may still read them (the last forward's
+    # prefetch runs past its return).
+    C.sync()
+    C.barrier()
     torch_ce.release_all()
     gc.collect()
     if C.is_cuda():
@@ -323,9 +345,13 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
 
     import torch_ce
     from torch_ce import report
+    from torch_ce.config import from_env
 
     _cleanup(torch, torch_ce)
     report.clear()
+    # Every variant starts from the defaults (and TORCH_CE_* variables): enable() only sets
+    # what it is given, so a previous variant's options would otherwise carry over (run 14).
+    torch_ce.config.update(**dataclasses.asdict(from_env()))
     graphs = name.endswith("_cg")
     base = name[:-3] if graphs else name
     if base == "nccl":
@@ -334,7 +360,10 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
         torch_ce.enable(transport="copy_engine", reorder=True)
     elif base == "ce_noreorder":
         torch_ce.enable(transport="copy_engine", reorder=False)
+    elif base == "ce_prefetch":
+        torch_ce.enable(transport="copy_engine", reorder=True, prefetch_next_call_mib=prefetch_mib(a))
     dev = C.device()
+    torch_ce.prefetch.reset_stats()
     if name.startswith("ce"):
         rec["ce_cost_curve_at_compile"] = _curve(dev, world)
     t0 = time.perf_counter()
@@ -387,6 +416,7 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
         _summarize_report(rec, report)
         if name.startswith("ce"):
             rec["ce_cost_curve_after_run"] = _curve(dev, world)
+            rec["prefetch_stats"] = dict(torch_ce.prefetch.stats)
     return out
 
 
@@ -395,6 +425,9 @@ def _summarize_report(rec: dict, report) -> None:
     try:
         if report.graphs:
             ro = dict(report.graphs[-1].reorder or {})
+            if report.graphs[-1].prefetch:
+                rec["prefetch_plan"] = dict(weights=len(report.graphs[-1].prefetch["members"]),
+                                            what=report.graphs[-1].prefetch["what"])
             rec["reorder"] = {k: ro.get(k) for k in ("valid", "launches", "compute_limited")}
             pl = ro.get("placements") or []
             if pl:
@@ -576,6 +609,8 @@ def _worker(rank: int, world: int, a: dict) -> None:
             r["nccl_over_bound"] = round(ms["nccl"] / ms["bound"], 4)
         if ms.get("ce_noreorder") and ms.get("ce"):
             r["ce_noreorder_over_ce"] = round(ms["ce_noreorder"] / ms["ce"], 4)
+        if ms.get("ce_prefetch") and ms.get("bound"):
+            r["ce_prefetch_over_bound"] = round(ms["ce_prefetch"] / ms["bound"], 4)
         per["ratios"] = r
         tg = [C.target(f"T={T} CE/NCCL", r.get("ce_over_nccl"), "<=", 0.90),
               C.target(f"T={T} CE/bound", r.get("ce_over_bound"), "<=", 1.05)]

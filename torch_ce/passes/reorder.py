@@ -129,6 +129,7 @@ class Placement:
     need_us: float
     covered_us: float
     compute_limited: bool
+    deadline: int = 0  # slot of its first consumer: the transfer must be done by then
 
 
 def latest_safe_launch(
@@ -184,9 +185,9 @@ def latest_safe_launch(
         k = max(k, earliest)
         slots.setdefault(k, []).insert(0, L)
         upper = k
-        placements.append(Placement(L.snodes[0].get_name(), L.index, k, need, covered, limited))
-        log.debug("torch_ce reorder: %s cur=%d target=%d need=%.1fus covered=%.1fus",
-                  placements[-1].name, L.index, k, need, covered)
+        placements.append(Placement(L.snodes[0].get_name(), L.index, k, need, covered, limited, wait_pos))
+        log.debug("torch_ce reorder: %s cur=%d target=%d deadline=%d need=%.1fus covered=%.1fus",
+                  placements[-1].name, L.index, k, wait_pos, need, covered)
     # A launch that depends on another launch's output must follow it (same slot is fine:
     # back-to-front insertion keeps program order within a slot).
     order: list[Unit] = []
