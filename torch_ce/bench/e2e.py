@@ -11,12 +11,12 @@ from the same seed, so all compute the same function:
   nccl          torch_ce.enable(transport="nccl")            our reorder, gathers on NCCL
   ce            torch_ce.enable(transport="copy_engine")     gathers on the copy engines
   ce_noreorder  torch_ce.enable(transport="copy_engine", reorder=False)
-An ablation (not in the default set):
-
-  ce_prefetch   ce, prefetching the next forward's first weights at the end of each
-                forward (``prefetch_next_call_mib``, NOTE [cross-call prefetch] in
-                torch_ce/prefetch.py): ``--prefetch-mib``, by default one decoder layer
   bound         the same model replicated on every GPU (no DTensor, no communication)
+
+and, not in the default set: ``ce_prefetch``, the ce variant prefetching the next forward's
+first weights at the end of each forward (``prefetch_next_call_mib``, NOTE [cross-call
+prefetch] in torch_ce/prefetch.py; ``--prefetch-mib``, by default one decoder layer), and
+``*_cg``, a variant compiled for CUDA graphs. Every variant starts from the default config.
 
 Reports ms per forward (median of per-iteration CUDA events), CE/NCCL and CE/bound, the
 CE output against the NCCL output, whether the generated code calls the magi ops, and the
