@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from mp_harness import run_ranks
+from test_refusals import _gather_full as _full, _host_off
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
@@ -37,14 +38,6 @@ EXPECTED = {
     "twice2": ["gather of a gathered tensor"],
 }
 WEIGHT_CASES = ["uneven", "shard1", "noncontig", "cast", "tiny", "twice"]
-
-
-
-
-def _full(w, **kw):
-    from torch.distributed.tensor import Replicate
-
-    return w.redistribute(placements=[Replicate()] * w.device_mesh.ndim, **kw).to_local()
 
 
 def _kinds(code: str) -> list[str]:
@@ -136,41 +129,14 @@ def _matrix(rank, ws, dev, dtype):
 
 
 def _cpu_model_host_off(rank, ws):
-    """CPU weights with the host transport off, in a process that has GPUs: refused."""
+    """CPU weights with the host transport off, in a process that has GPUs: refused. The
+    CPU test's case (test_refusals._host_off), over a gloo subgroup."""
     import torch.distributed as dist
-    import torch_ce
-    from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch_ce import report, windows as W
 
-    gloo = dist.new_group(backend="gloo")
-    mesh = DeviceMesh.from_group(gloo, "cpu")
-    torch.manual_seed(1)
-    w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]), requires_grad=False)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(200 + rank))
-
-    def f(x):
-        return x @ _full(w).t()
-
-    with torch.no_grad():
-        eager = f(x)
-    n = len(report.graphs)
-    torch._dynamo.reset()
-    torch_ce.enable(transport="copy_engine", host_transport=False, symm_min_shard_mib=0)
-    try:
-        with torch.no_grad():
-            out, codes = run_and_get_code(torch.compile(f), x)
-    finally:
-        torch_ce.config.update(host_transport=True)
-    recs = report.graphs[n:]
-    return dict(
-        reasons=[r["reason"] for g in recs for r in g.refused],
-        bound=[b["name"] for g in recs for b in g.bound],
-        exact=[torch.equal(out, eager)],
-        lookup=type(W.lookup(w._local_tensor)).__name__,
-        kinds=_kinds("\n".join(codes)),
-    )
+    res = _host_off(rank, ws, DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu"))
+    res["kinds"] = _kinds("\n".join(res["lines"]))
+    return res
 
 
 def _training(rank, ws, dev):

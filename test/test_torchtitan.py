@@ -54,10 +54,10 @@ class Block(torch.nn.Module):
 
 
 class TinyDecoder(torch.nn.Module):
-    def __init__(self, dim: int = 32, hidden: int = 64, layers: int = 2):
+    def __init__(self, dim: int = 32, hidden: int = 64, layers: int = 2, out: int = 16):
         super().__init__()
         self.blocks = torch.nn.ModuleList(Block(dim, hidden) for _ in range(layers))
-        self.head = torch.nn.Linear(dim, 16, bias=False)
+        self.head = torch.nn.Linear(dim, out, bias=False)
 
     def forward(self, x):
         for b in self.blocks:

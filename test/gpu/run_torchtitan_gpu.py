@@ -52,29 +52,9 @@ REL_TOL_NCCL = 1e-2  # same gathered weights, same Inductor graph up to the gath
 REL_TOL_EAGER = 3e-2  # Inductor vs eager bf16 rounding (bias epilogues, fused adds)
 
 
-class Block(torch.nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = torch.nn.Linear(3 * dim, dim, bias=False)
-        self.up = torch.nn.Linear(dim, hidden, bias=True)
-        self.down = torch.nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        x = x + self.proj(torch.relu(self.qkv(x)))
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class TinyDecoder(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(DIM, HIDDEN) for _ in range(LAYERS))
-        self.head = torch.nn.Linear(DIM, OUT, bias=False)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
+# The CPU test's model (test/test_torchtitan.py), at GPU sizes.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from test_torchtitan import TinyDecoder  # noqa: E402
 
 
 class Checks:
@@ -151,7 +131,7 @@ def main() -> int:
             return _finish(C, world, t0)
 
         torch.manual_seed(1234)  # same weights on every rank
-        model = TinyDecoder().to(device=dev, dtype=torch.bfloat16).eval()
+        model = TinyDecoder(DIM, HIDDEN, LAYERS, OUT).to(device=dev, dtype=torch.bfloat16).eval()
         mesh = init_device_mesh("cuda", (world,))
         model = data_parallel(model, mesh, mode="fully_shard")
         params = dict(model.named_parameters())
