@@ -93,7 +93,7 @@ def gather(shards: Sequence[torch.Tensor], group_size: int, group_name: str) -> 
         return [s.clone() for s in shards]
     _check_live(group_name)
     outs: list[torch.Tensor | None] = [None] * len(shards)
-    if prefetch._parked:  # NOTE [cross-call prefetch]
+    if prefetch.any_parked():  # NOTE [cross-call prefetch]
         for i, o in prefetch.take(shards, group_name).items():
             outs[i] = o
     bound_idx, slots = [], []

@@ -62,7 +62,7 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 def _sync_native() -> None:
-    native.set_prefetch_pending(bool(_parked))
+    native.set_prefetch_pending(any_parked())
 
 
 _deferred: list[torch.Tensor] = []
@@ -143,6 +143,11 @@ def drop(group_name: str | None = None) -> None:
         stats["dropped"] += len(dropped)
     _sync_native()
     _retire(dropped)
+
+
+def any_parked() -> bool:
+    """Cheap check for the gather's hot path: is anything parked at all?"""
+    return bool(_parked)
 
 
 def pending() -> int:
