@@ -138,11 +138,14 @@ def test_code_call_counts():
         torch.ops.magi.ce_bind.default([arg2_1], [2], ['0'], ['arg2_1'])
         buf1 = torch.ops.magi.ce_all_gather.default(arg2_1, 2, '0')
         buf2 = torch.ops.magi.ce_all_gather_coalesced.default([arg3_1, arg4_1], 2, '0')
+        buf5 = torch.ops.magi.ce_all_gather_coalesced.peers([arg6_1, arg7_1], 2, '0')
         assert_size_stride(buf1, (768, 256), (256, 1), 'torch.ops.magi.ce_all_gather.default')
+        buf6 = torch.ops.magi.ce_linear.default(buf4, arg6_1, buf5, 2, '0')
         torch.ops._c10d_functional.all_gather_into_tensor_out.default(arg5_1, 2, '0', out=buf3)
     """
     assert e2e.code_call_counts(code) == dict(
-        code_magi_ce_all_gather_calls=2, code_magi_ce_bind_calls=1, code_nccl_all_gather_calls=1)
+        code_magi_ce_all_gather_calls=3, code_magi_ce_linear_calls=1, code_magi_ce_bind_calls=1,
+        code_nccl_all_gather_calls=1)
 
 
 def test_ops_targets():

@@ -15,8 +15,10 @@ from the same seed, so all compute the same function:
 
 and, not in the default set: ``ce_prefetch``, the ce variant prefetching the next forward's
 first weights at the end of each forward (``prefetch_next_call_mib``, NOTE [cross-call
-prefetch] in torch_ce/prefetch.py; ``--prefetch-mib``, by default one decoder layer), and
-``*_cg``, a variant compiled for CUDA graphs. Every variant starts from the default config.
+prefetch] in torch_ce/prefetch.py; ``--prefetch-mib``, by default one decoder layer);
+``ce_ownrows`` / ``ce_fullrows``, the ce variant with ``own_rows_in_place`` on / off (NOTE
+[own rows in place] in torch_ce/passes/own_rows.py); and ``*_cg``, a variant compiled for
+CUDA graphs. Every variant starts from the default config.
 
 Reports ms per forward (median of per-iteration CUDA events), CE/NCCL and CE/bound, the
 CE output against the NCCL output, whether the generated code calls the magi ops, and the
@@ -37,7 +39,8 @@ import time
 
 from . import common as C
 
-VARIANTS = ("nccl", "ce", "ce_noreorder", "ce_prefetch", "bound", "nccl_cg", "ce_cg", "bound_cg")
+VARIANTS = ("nccl", "ce", "ce_noreorder", "ce_prefetch", "ce_ownrows", "ce_fullrows", "bound", "nccl_cg",
+            "ce_cg", "bound_cg")
 DEFAULT_VARIANTS = ("nccl", "ce", "ce_noreorder", "bound")
 # *_cg: the same variant compiled with mode="reduce-overhead" (CUDA graphs): no per-op
 # CPU issue cost at replay.
@@ -261,7 +264,8 @@ def summarize_trace(trace: dict, iterations: int = 1) -> dict:
 
 
 _CALLS = dict(
-    code_magi_ce_all_gather_calls=r"magi\.ce_all_gather(?:_coalesced)?\.default\(",
+    code_magi_ce_all_gather_calls=r"magi\.ce_all_gather(?:_coalesced)?\.(?:default|peers)\(",
+    code_magi_ce_linear_calls=r"magi\.ce_linear\.default\(",
     code_magi_ce_bind_calls=r"magi\.ce_bind\.default\(",
     code_nccl_all_gather_calls=r"_c10d_functional\.all_gather_into_tensor\w*\.default\(",
 )
@@ -360,6 +364,8 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
         torch_ce.enable(transport="copy_engine", reorder=True)
     elif base == "ce_noreorder":
         torch_ce.enable(transport="copy_engine", reorder=False)
+    elif base in ("ce_ownrows", "ce_fullrows"):
+        torch_ce.enable(transport="copy_engine", reorder=True, own_rows_in_place=base == "ce_ownrows")
     elif base == "ce_prefetch":
         torch_ce.enable(transport="copy_engine", reorder=True, prefetch_next_call_mib=prefetch_mib(a))
     dev = C.device()
@@ -443,6 +449,7 @@ def _summarize_report(rec: dict, report) -> None:
                 for k, v in gr.refusal_counts.items():
                     refused[k] = refused.get(k, 0) + v
             rec["graphs"] = len(report.graphs)
+            rec["own_rows_in_place"] = sum(len(gr.own_rows) for gr in report.graphs)
             rec["bound_gathers"] = len(bound)
             rec["bound_mib"] = round(sum(b.get("bytes", 0) for b in bound) / 2**20, 1)
             rec["ce_buckets"] = sum(1 for gr in report.graphs for b in gr.buckets if b.get("kind") == "ce")
@@ -609,8 +616,11 @@ def _worker(rank: int, world: int, a: dict) -> None:
             r["nccl_over_bound"] = round(ms["nccl"] / ms["bound"], 4)
         if ms.get("ce_noreorder") and ms.get("ce"):
             r["ce_noreorder_over_ce"] = round(ms["ce_noreorder"] / ms["ce"], 4)
-        if ms.get("ce_prefetch") and ms.get("bound"):
-            r["ce_prefetch_over_bound"] = round(ms["ce_prefetch"] / ms["bound"], 4)
+        for v in ("ce_prefetch", "ce_ownrows", "ce_fullrows"):
+            if ms.get(v) and ms.get("bound"):
+                r[f"{v}_over_bound"] = round(ms[v] / ms["bound"], 4)
+            if ms.get(v) and ms.get("nccl"):
+                r[f"{v}_over_nccl"] = round(ms[v] / ms["nccl"], 4)
         per["ratios"] = r
         tg = [C.target(f"T={T} CE/NCCL", r.get("ce_over_nccl"), "<=", 0.90),
               C.target(f"T={T} CE/bound", r.get("ce_over_bound"), "<=", 1.05)]
