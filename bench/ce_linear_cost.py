@@ -1,10 +1,11 @@
-"""One GPU: what splitting a gathered matmul by column blocks costs (magi.ce_linear).
+"""One GPU: what splitting a gathered matmul by column blocks costs.
 
-``magi.ce_linear`` computes ``x @ full.T`` as one matmul per block of output columns
-(this rank's rows from the shard, the peers' rows from the gathered buffer), each written
-in place into one output (NOTE [own rows in place] in torch_ce/passes/own_rows.py). This
-times it against one ``torch.mm`` over the full weight for the e2e decoder's shapes (bf16,
-world 2, both rank positions) and checks that the results agree.
+The "own rows in place" experiment (docs/perf-notes.md, section 9; built, measured in runs
+17-18 and reverted) computed ``x @ full.T`` as one matmul per block of output columns:
+this rank's rows straight from its shard, the peers' rows from a gather of only their rows,
+each block written in place into one output. This times that split against one
+``torch.mm`` over the full weight for the e2e decoder's shapes (bf16, world 2, both rank
+positions) and checks that the results agree.
 
     python3 bench/ce_linear_cost.py [--tokens 1024,4096]
 """
@@ -14,7 +15,20 @@ import argparse
 
 import torch
 
-from torch_ce.ops import linear_split
+
+
+def linear_split(inp, shard, peer_rows, group_size: int, rank: int):
+    """``inp @ full.T``, ``full`` being ``peer_rows`` with ``shard`` inserted as rank
+    ``rank``'s rows: one matmul per contiguous block of output columns, in place."""
+    rows = shard.shape[0]
+    out = inp.new_empty((inp.shape[0], group_size * rows))
+    before = rank * rows
+    if before:
+        torch.mm(inp, peer_rows[:before].t(), out=out[:, :before])
+    torch.mm(inp, shard.t(), out=out[:, before:before + rows])
+    if before + rows < out.shape[1]:
+        torch.mm(inp, peer_rows[before:].t(), out=out[:, before + rows:])
+    return out
 
 
 def _time_ms(fn, iters=50):

@@ -59,7 +59,7 @@ def main():
     slot = W.lookup(shard)
     side = tr.copy_stream(dev)
     out = torch.empty(ws * shard.numel(), device=dev, dtype=shard.dtype)
-    lay = tr._bucket_layout([slot], False)
+    lay = tr._bucket_layout([slot])
     for i, off in enumerate(lay.offsets[0]):
         lay.dsts[i] = out.data_ptr() + off
     op = torch.ops.magi.ce_all_gather.default

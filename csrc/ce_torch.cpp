@@ -175,8 +175,7 @@ class CopyEngineWork : public c10d::Work {
 
 std::vector<at::Tensor> gather_python(at::TensorList shards,
                                       int64_t group_size,
-                                      c10::string_view group_name,
-                                      bool peers_only) {
+                                      c10::string_view group_name) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("torch_ce::gather_python",
                                                      "");
@@ -184,7 +183,6 @@ std::vector<at::Tensor> gather_python(at::TensorList shards,
   stack.emplace_back(shards.vec());
   stack.emplace_back(group_size);
   stack.emplace_back(std::string(group_name));
-  stack.emplace_back(peers_only);
   op.callBoxed(&stack);
   return stack.at(0).toTensorVector();
 }
@@ -219,15 +217,12 @@ bool resolve(at::TensorList shards, int64_t group_size,
   return true;
 }
 
-// peers_only (the .peers overloads): the outputs hold the other ranks' rows
-// only, in rank order (NOTE [own rows in place] in torch_ce/passes/own_rows.py).
-std::vector<at::Tensor> gather_cuda(at::TensorList shards, int64_t group_size,
-                                    c10::string_view group_name,
-                                    bool peers_only) {
+std::vector<at::Tensor> ce_all_gather_coalesced_cuda(
+    at::TensorList shards, int64_t group_size, c10::string_view group_name) {
   std::vector<std::shared_ptr<const Slot>> slots;
   if (g_prefetch_pending.load(std::memory_order_relaxed) ||
       !resolve(shards, group_size, group_name, slots))
-    return gather_python(shards, group_size, group_name, peers_only);
+    return gather_python(shards, group_size, group_name);
 
   const int device = shards[0].device().index();
   const c10::cuda::CUDAGuard guard(shards[0].device());  // events and streams live there
@@ -247,14 +242,12 @@ std::vector<at::Tensor> gather_cuda(at::TensorList shards, int64_t group_size,
   for (size_t i = 0; i < shards.size(); ++i) {
     const Slot& slot = *slots[i];
     std::vector<int64_t> sizes = slot.shape;
-    sizes[0] *= peers_only ? group_size - 1 : group_size;
+    sizes[0] *= group_size;
     outs.push_back(at::empty(sizes, shards[i].options()));
     char* base = static_cast<char*>(outs.back().data_ptr());
-    int64_t block = 0;  // the output block rank r's rows land in
     for (int64_t r = 0; r < group_size; ++r) {
-      if (peers_only && r == slot.rank) continue;
       const bool own = r == slot.rank && split;
-      (own ? local_dst : peer_dst).push_back(base + block++ * slot.nbytes);
+      (own ? local_dst : peer_dst).push_back(base + r * slot.nbytes);
       (own ? local_src : peer_src).push_back(slot.peer_ptrs[r]);
       (own ? local_size : peer_size).push_back(static_cast<size_t>(slot.nbytes));
     }
@@ -309,65 +302,9 @@ std::vector<at::Tensor> gather_cuda(at::TensorList shards, int64_t group_size,
   return outs;
 }
 
-std::vector<at::Tensor> ce_all_gather_coalesced_cuda(
-    at::TensorList shards, int64_t group_size, c10::string_view group_name) {
-  return gather_cuda(shards, group_size, group_name, false);
-}
-
 at::Tensor ce_all_gather_cuda(const at::Tensor& shard, int64_t group_size,
                               c10::string_view group_name) {
-  return gather_cuda({shard}, group_size, group_name, false)[0];
-}
-
-std::vector<at::Tensor> ce_all_gather_coalesced_peers_cuda(
-    at::TensorList shards, int64_t group_size, c10::string_view group_name) {
-  return gather_cuda(shards, group_size, group_name, true);
-}
-
-at::Tensor ce_all_gather_peers_cuda(const at::Tensor& shard, int64_t group_size,
-                                    c10::string_view group_name) {
-  return gather_cuda({shard}, group_size, group_name, true)[0];
-}
-
-// input @ weight.T, the weight being this rank's shard plus the peers' rows
-// (rank order): one matmul per contiguous block of output columns, each
-// written in place (cuBLAS takes the row stride of the full output). Same
-// checks and arithmetic as torch_ce.ops.linear_split.
-at::Tensor ce_linear_cuda(const at::Tensor& input, const at::Tensor& shard,
-                          const at::Tensor& peer_rows, int64_t group_size,
-                          c10::string_view group_name) {
-  const int64_t rank =
-      group_size > 1
-          ? c10d::resolve_process_group(std::string(group_name))->getRank()
-          : 0;
-  TORCH_CHECK(input.dim() == 2 && shard.dim() == 2 && peer_rows.dim() == 2,
-              "torch_ce: magi::ce_linear takes 2-D tensors, got input ",
-              input.sizes(), ", shard ", shard.sizes(), ", peer rows ",
-              peer_rows.sizes());
-  const int64_t rows = shard.size(0);
-  TORCH_CHECK(peer_rows.size(0) == (group_size - 1) * rows &&
-                  peer_rows.size(1) == shard.size(1) &&
-                  input.size(1) == shard.size(1) && rank >= 0 &&
-                  rank < group_size,
-              "torch_ce: magi::ce_linear: input ", input.sizes(), ", shard ",
-              shard.sizes(), " and peer rows ", peer_rows.sizes(),
-              " do not make one weight of ", group_size, " x ", rows,
-              " rows (rank ", rank, ")");
-  at::Tensor out = at::empty({input.size(0), group_size * rows}, input.options());
-  const int64_t before = rank * rows, after = (group_size - 1 - rank) * rows;
-  if (before > 0) {
-    at::Tensor cols = out.narrow(1, 0, before);
-    at::mm_out(cols, input, peer_rows.narrow(0, 0, before).t());
-  }
-  {
-    at::Tensor cols = out.narrow(1, before, rows);
-    at::mm_out(cols, input, shard.t());
-  }
-  if (after > 0) {
-    at::Tensor cols = out.narrow(1, before + rows, after);
-    at::mm_out(cols, input, peer_rows.narrow(0, before, after).t());
-  }
-  return out;
+  return ce_all_gather_coalesced_cuda({shard}, group_size, group_name)[0];
 }
 
 void register_slot(int64_t key, std::vector<int64_t> peer_ptrs, int64_t rank,
@@ -422,8 +359,4 @@ TORCH_LIBRARY(torch_ce_native, m) {
 TORCH_LIBRARY_IMPL(magi, CUDA, m) {
   m.impl("ce_all_gather", TORCH_FN(ce_all_gather_cuda));
   m.impl("ce_all_gather_coalesced", TORCH_FN(ce_all_gather_coalesced_cuda));
-  m.impl("ce_all_gather.peers", TORCH_FN(ce_all_gather_peers_cuda));
-  m.impl("ce_all_gather_coalesced.peers",
-         TORCH_FN(ce_all_gather_coalesced_peers_cuda));
-  m.impl("ce_linear", TORCH_FN(ce_linear_cuda));
 }

@@ -150,69 +150,6 @@ graph():
         self.assertEqual(report.graphs[-1].prefetch["members"], [])
         self.assertIn("> prefetch_next_call_mib", report.graphs[-1].prefetch["what"])
 
-    def test_own_rows_in_place(self):
-        """Weights used only as mm(x, w.t()) gather the peers' rows and feed ce_linear
-        (the two adjacent ones in one .peers bucket); a bias Linear (addmm) and a gathered
-        weight read by something else keep their full gathers, with the reasons."""
-        mesh = self.mesh
-
-        class Net(nn.Module):
-            def __init__(s):
-                super().__init__()
-                s.a = nn.Linear(8, 16, bias=False)
-                s.b = nn.Linear(16, 8, bias=False)
-                s.c = nn.Linear(8, 8, bias=True)
-                s.d = nn.Linear(8, 4, bias=False)
-                for m in (s.a, s.b, s.c, s.d):
-                    shard_weight(m, mesh)
-                s.requires_grad_(False)
-
-            def forward(s, x):
-                wa, wb = s.a.weight, s.b.weight  # program-adjacent gathers: one bucket
-                h = torch.relu(x @ wa.t()) @ wb.t()
-                return s.d(s.c(h)) * s.d.weight.sum()  # d's 2nd gather is reduced: kept
-
-        g = self.compile_and_run(Net(), torch.randn(4, 8), transport="copy_engine",
-                                 own_rows_in_place=True)
-        self.assertExpectedInline(g, """\
-graph():
-    %arg0_1 : [num_users=3] = placeholder[target=arg0_1]
-    %arg1_1 : [num_users=0] = placeholder[target=arg1_1]
-    %arg2_1 : [num_users=3] = placeholder[target=arg2_1]
-    %arg3_1 : [num_users=0] = placeholder[target=arg3_1]
-    %arg4_1 : [num_users=1] = placeholder[target=arg4_1]
-    %arg5_1 : [num_users=2] = placeholder[target=arg5_1]
-    %arg6_1 : [num_users=0] = placeholder[target=arg6_1]
-    %arg7_1 : [num_users=1] = placeholder[target=arg7_1]
-    %arg8_1 : [num_users=4] = placeholder[target=arg8_1]
-    %arg9_1 : [num_users=0] = placeholder[target=arg9_1]
-    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg2_1, %arg5_1, %arg8_1], [2, 2, 2, 2], [0, 0, 0, 0], [arg0_1, arg2_1, arg5_1, arg8_1], [, , , ]), kwargs = {})
-    %ce_all_gather_coalesced_peers : [num_users=2] = call_function[target=torch.ops.magi.ce_all_gather_coalesced.peers](args = ([%arg0_1, %arg2_1], 2, 0), kwargs = {})
-    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%ce_all_gather_coalesced_peers, 0), kwargs = {})
-    %getitem_1 : [num_users=1] = call_function[target=operator.getitem](args = (%ce_all_gather_coalesced_peers, 1), kwargs = {})
-    %wait_tensor : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%getitem,), kwargs = {})
-    %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%getitem_1,), kwargs = {})
-    %ce_linear_default : [num_users=1] = call_function[target=torch.ops.magi.ce_linear.default](args = (%arg4_1, %arg0_1, %wait_tensor, 2, 0), kwargs = {})
-    %relu : [num_users=1] = call_function[target=torch.ops.aten.relu.default](args = (%ce_linear_default,), kwargs = {})
-    %ce_linear_default_1 : [num_users=1] = call_function[target=torch.ops.magi.ce_linear.default](args = (%relu, %arg2_1, %wait_tensor_1, 2, 0), kwargs = {})
-    %all_gather_into_tensor_2 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg5_1, 2, 0), kwargs = {})
-    %wait_tensor_2 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_2,), kwargs = {})
-    %permute_2 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_2, [1, 0]), kwargs = {})
-    %addmm : [num_users=1] = call_function[target=torch.ops.aten.addmm.default](args = (%arg7_1, %ce_linear_default_1, %permute_2), kwargs = {})
-    %all_gather_into_tensor_3 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.peers](args = (%arg8_1, 2, 0), kwargs = {})
-    %wait_tensor_3 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_3,), kwargs = {})
-    %ce_linear_default_2 : [num_users=1] = call_function[target=torch.ops.magi.ce_linear.default](args = (%addmm, %arg8_1, %wait_tensor_3, 2, 0), kwargs = {})
-    %all_gather_into_tensor_4 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg8_1, 2, 0), kwargs = {})
-    %wait_tensor_4 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_4,), kwargs = {})
-    %sum_1 : [num_users=1] = call_function[target=torch.ops.aten.sum.default](args = (%wait_tensor_4,), kwargs = {})
-    %mul : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%ce_linear_default_2, %sum_1), kwargs = {})
-    return (mul,)""")
-        rec = report.graphs[-1]
-        self.assertEqual(len(rec.own_rows), 3)
-        self.assertEqual(sorted(rec.own_rows_kept.values()),
-                         ["gathered weight used by sum.default, not only w.t()",
-                          "w.t() used by addmm.default, not only mm(x, w.t())"])
-
     def test_transport_nccl_untouched(self):
         g = self.compile_and_run(self.mlp(), torch.randn(4, 8), transport="nccl")
         self.assertNotIn("magi", g)

@@ -37,10 +37,6 @@ class Config:
     # allocated between calls; weights must not change unless drop_prefetched() is called.
     # NOTE [cross-call prefetch] in torch_ce/prefetch.py.
     prefetch_next_call_mib: float = 0.0
-    # A gathered weight whose every use is mm(x, w.t()) gathers only the other ranks' rows;
-    # the matmuls read this rank's rows from the shard (NOTE [own rows in place] in
-    # passes/own_rows.py): no own-row copy, a smaller output.
-    own_rows_in_place: bool = False
     # "calibrated": time wait(launch()) on the real windows after binding and use that
     # curve; "default": the documented curve from our H200 measurements only.
     cost_mode: str = "calibrated"

@@ -102,9 +102,8 @@ def publish_slot(slot: Slot) -> None:
     slot.peer_views = [w.handle.get_buffer(r, slot.shape, slot.dtype, off) for r in range(w.group_size)]
 
 
-def gather_into(outs: list[torch.Tensor], slots: list[Slot], peers_only: bool = False) -> None:
-    """Issue all reads of one bucket on the copy stream and register the outputs' work
-    (``peers_only``: the other ranks' rows only, in rank order).
+def gather_into(outs: list[torch.Tensor], slots: list[Slot]) -> None:
+    """Issue all reads of one bucket on the copy stream and register the outputs' work.
 
     This is the hot path (once per gather): the bucket's sources and sizes are cached as
     ready ctypes arrays, the stream handles are passed straight to the library, and no
@@ -117,7 +116,7 @@ def gather_into(outs: list[torch.Tensor], slots: list[Slot], peers_only: bool = 
     ready = torch.cuda.Event()
     ready.record(cur)
     side.wait_event(ready)  # the outputs were allocated on the current stream
-    layout = _bucket_layout(slots, peers_only)
+    layout = _bucket_layout(slots)
     dsts = layout.dsts
     i = 0
     for out, member_offsets in zip(outs, layout.offsets):
@@ -132,11 +131,9 @@ def gather_into(outs: list[torch.Tensor], slots: list[Slot], peers_only: bool = 
     else:  # no compiled library: the same per-peer reads through torch
         with torch.cuda.stream(side):
             for out, slot in zip(outs, slots):
-                me = slot.window.rank
-                views = [v for r, v in enumerate(slot.peer_views) if not (peers_only and r == me)]
-                chunks = out.view(len(views), *slot.shape)
-                for i, src in enumerate(views):
-                    chunks[i].copy_(src, non_blocking=True)
+                chunks = out.view(slot.group_size, *slot.shape)
+                for r, src in enumerate(slot.peer_views):
+                    chunks[r].copy_(src, non_blocking=True)
     ev = torch.cuda.Event()
     ev.record(side)
     work = CopyEngineWork(ev)
@@ -155,16 +152,14 @@ class _Layout:
     """A bucket's static copy plan: ctypes arrays of sources and sizes, a destination array
     refilled per call (the runtime reads it during the call), per-member offsets."""
 
-    def __init__(self, slots: list[Slot], peers_only: bool):
+    def __init__(self, slots: list[Slot]):
         import ctypes
 
         srcs, sizes, self.offsets = [], [], []
         for slot in slots:
-            me = slot.window.rank
-            ptrs = [p for r, p in enumerate(slot.peer_ptrs) if not (peers_only and r == me)]
-            srcs += ptrs
-            sizes += [slot.nbytes] * len(ptrs)
-            self.offsets.append([i * slot.nbytes for i in range(len(ptrs))])
+            srcs += slot.peer_ptrs
+            sizes += [slot.nbytes] * len(slot.peer_ptrs)
+            self.offsets.append([r * slot.nbytes for r in range(len(slot.peer_ptrs))])
         n = len(srcs)
         self.srcs = (ctypes.c_void_p * n)(*srcs)
         self.sizes = (ctypes.c_size_t * n)(*sizes)
@@ -176,11 +171,11 @@ _layouts: dict[tuple, tuple] = {}
 W.on_release(_layouts.clear)
 
 
-def _bucket_layout(slots: list[Slot], peers_only: bool) -> _Layout:
-    key = (peers_only, *(id(s) for s in slots))
+def _bucket_layout(slots: list[Slot]) -> _Layout:
+    key = tuple(id(s) for s in slots)
     hit = _layouts.get(key)
     if hit is None or hit.first is not slots[0]:
-        hit = _layouts[key] = _Layout(slots, peers_only)
+        hit = _layouts[key] = _Layout(slots)
     return hit
 
 

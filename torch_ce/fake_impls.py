@@ -26,19 +26,3 @@ def _ce_bind_fake(shards, group_sizes, group_names, names, reasons) -> None:
 @torch.library.register_fake("magi::ce_prefetch")
 def _ce_prefetch_fake(shards, group_size: int, group_name: str) -> None:
     return None
-
-
-@torch.library.register_fake("magi::ce_all_gather.peers")
-def _ce_all_gather_peers_fake(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    return shard.new_empty(((group_size - 1) * shard.shape[0], *shard.shape[1:]))
-
-
-@torch.library.register_fake("magi::ce_all_gather_coalesced.peers")
-def _ce_all_gather_coalesced_peers_fake(shards, group_size: int, group_name: str):
-    return [s.new_empty(((group_size - 1) * s.shape[0], *s.shape[1:])) for s in shards]
-
-
-@torch.library.register_fake("magi::ce_linear")
-def _ce_linear_fake(inp: torch.Tensor, shard: torch.Tensor, peer_rows: torch.Tensor,
-                    group_size: int, group_name: str) -> torch.Tensor:
-    return inp.new_empty((inp.shape[0], group_size * shard.shape[0]))

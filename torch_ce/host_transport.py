@@ -94,12 +94,9 @@ def publish_slot(slot: Slot) -> None:
     ]
 
 
-def gather_into(outs: list[torch.Tensor], slots: list[Slot], peers_only: bool = False) -> None:
-    """One-sided reads: rank r's copy of each member lands at rows [r*rows, (r+1)*rows);
-    ``peers_only``: this rank's block is left out and the later ranks' move up one."""
+def gather_into(outs: list[torch.Tensor], slots: list[Slot]) -> None:
+    """One-sided reads: rank r's copy of each member lands at rows [r*rows, (r+1)*rows)."""
     for out, slot in zip(outs, slots):
-        me = slot.window.rank
-        views = [v for r, v in enumerate(slot.peer_views) if not (peers_only and r == me)]
-        chunks = out.view(len(views), *slot.shape)
-        for i, src in enumerate(views):
-            chunks[i].copy_(src)
+        chunks = out.view(slot.group_size, *slot.shape)
+        for r, src in enumerate(slot.peer_views):
+            chunks[r].copy_(src)

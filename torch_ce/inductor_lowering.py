@@ -20,25 +20,11 @@ def register_lowerings() -> None:
     from . import ops  # noqa: F401  (the ops must exist)
 
     magi = torch.ops.magi
-    for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_bind, magi.ce_prefetch,
-               magi.ce_linear):
+    for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_bind, magi.ce_prefetch):
         for overload in op.overloads():
             target = getattr(op, overload)
             if target not in lowering.lowerings:
                 lowering.make_fallback(target, warn=False)
-    _register_flops()
-
-
-def _register_flops() -> None:
-    """``magi.ce_linear`` is a matmul: count its flops like one, or the reorder (and
-    Inductor's estimates) would see no compute under it."""
-    from torch.utils.flop_counter import register_flop_formula
-
-    @register_flop_formula(torch.ops.magi.ce_linear)
-    def _ce_linear_flops(input_shape, shard_shape, peer_shape, group_size, group_name, *args,
-                         out_shape=None, **kwargs) -> int:
-        m, k = input_shape
-        return 2 * m * k * group_size * shard_shape[0]
 
 
 def _issues_transfer(snode) -> bool:

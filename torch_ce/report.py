@@ -20,8 +20,6 @@ class GraphRecord:
     buckets: list = dataclasses.field(default_factory=list)  # dicts: kind, members, bytes
     reorder: dict = dataclasses.field(default_factory=dict)
     prefetch: dict = dataclasses.field(default_factory=dict)  # members, bytes (gathered)
-    own_rows: list = dataclasses.field(default_factory=list)  # weights gathered .peers
-    own_rows_kept: dict = dataclasses.field(default_factory=dict)  # weight -> why not
 
     @property
     def refusal_counts(self) -> dict:

@@ -15,10 +15,8 @@ from the same seed, so all compute the same function:
 
 and, not in the default set: ``ce_prefetch``, the ce variant prefetching the next forward's
 first weights at the end of each forward (``prefetch_next_call_mib``, NOTE [cross-call
-prefetch] in torch_ce/prefetch.py; ``--prefetch-mib``, by default one decoder layer);
-``ce_ownrows`` / ``ce_fullrows``, the ce variant with ``own_rows_in_place`` on / off (NOTE
-[own rows in place] in torch_ce/passes/own_rows.py); and ``*_cg``, a variant compiled for
-CUDA graphs. Every variant starts from the default config.
+prefetch] in torch_ce/prefetch.py; ``--prefetch-mib``, by default one decoder layer), and
+``*_cg``, a variant compiled for CUDA graphs. Every variant starts from the default config.
 
 Reports ms per forward (median of per-iteration CUDA events), CE/NCCL and CE/bound, the
 CE output against the NCCL output, whether the generated code calls the magi ops, and the
@@ -39,8 +37,7 @@ import time
 
 from . import common as C
 
-VARIANTS = ("nccl", "ce", "ce_noreorder", "ce_prefetch", "ce_ownrows", "ce_fullrows", "bound", "nccl_cg",
-            "ce_cg", "bound_cg")
+VARIANTS = ("nccl", "ce", "ce_noreorder", "ce_prefetch", "bound", "nccl_cg", "ce_cg", "bound_cg")
 DEFAULT_VARIANTS = ("nccl", "ce", "ce_noreorder", "bound")
 # *_cg: the same variant compiled with mode="reduce-overhead" (CUDA graphs): no per-op
 # CPU issue cost at replay.
@@ -208,6 +205,12 @@ def summarize_trace(trace: dict, iterations: int = 1) -> dict:
     ``overlap_with_compute_us`` is how much of that activity (as a union of intervals)
     runs while some kernel runs on another stream. Also counts the kernels whose name
     contains "nccl" (a CE variant should have none).
+
+    Compute idle: the gaps between compute kernels inside the span (``compute_gaps``), split
+    into time while a CE copy ran (the compute waiting for a gather, or a launch gap that a
+    copy happens to cover) and time without one (CPU issue, events, allocator); the largest
+    gaps list where in the iteration they fall (index of the kernel after the gap, counted
+    within an iteration) and the kernels around them.
     """
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     kernels = [e for e in events if str(e.get("cat", "")).lower() == "kernel"]
@@ -237,6 +240,7 @@ def summarize_trace(trace: dict, iterations: int = 1) -> dict:
     overlap = overlap_length(ce_iv, comp_iv)
     gpu_iv = iv(kernels) + iv(copies)
     span = (max(e for _, e in gpu_iv) - min(s for s, _ in gpu_iv)) if gpu_iv else 0.0
+    gaps = _compute_gaps(compute, ce_iv, max(int(iterations), 1))
     names: dict = {}
     for e in copies:
         n = str(e.get("name", ""))
@@ -260,12 +264,37 @@ def summarize_trace(trace: dict, iterations: int = 1) -> dict:
         kernels_on_copy_stream=sum(1 for e in kernels if str(_stream(e)) == copy_stream),
         nccl_kernels=sum("nccl" in str(e.get("name", "")).lower() for e in kernels),
         memcpy_names=names,
+        compute_gaps=gaps,
+    )
+
+
+def _compute_gaps(compute: list, ce_iv: list, iterations: int, top: int = 8) -> dict:
+    """Idle time between compute kernels (see ``summarize_trace``), in us per iteration."""
+    evs = sorted(compute, key=lambda e: float(e["ts"]))
+    per_iter = max(len(evs) // iterations, 1)
+    gaps, end, prev = [], None, None
+    for i, e in enumerate(evs):
+        s, f = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        if end is not None and s > end:
+            gaps.append(dict(us=s - end, with_copy_us=overlap_length([(end, s)], ce_iv), pos=i % per_iter,
+                             before=str(prev.get("name", ""))[:48], after=str(e.get("name", ""))[:48]))
+        if end is None or f >= end:
+            end, prev = f, e
+    total = sum(g["us"] for g in gaps)
+    with_copy = sum(g["with_copy_us"] for g in gaps)
+    largest = sorted(gaps, key=lambda g: -g["us"])[:top]
+    return dict(
+        idle_us_per_iter=round(total / iterations, 1),
+        idle_with_copy_us_per_iter=round(with_copy / iterations, 1),
+        gaps_over_20us_per_iter=round(sum(1 for g in gaps if g["us"] > 20) / iterations, 1),
+        kernels_per_iter=per_iter,
+        largest=[[round(g["us"], 1), round(g["with_copy_us"], 1), g["pos"], g["before"], g["after"]]
+                 for g in largest],
     )
 
 
 _CALLS = dict(
-    code_magi_ce_all_gather_calls=r"magi\.ce_all_gather(?:_coalesced)?\.(?:default|peers)\(",
-    code_magi_ce_linear_calls=r"magi\.ce_linear\.default\(",
+    code_magi_ce_all_gather_calls=r"magi\.ce_all_gather(?:_coalesced)?\.default\(",
     code_magi_ce_bind_calls=r"magi\.ce_bind\.default\(",
     code_nccl_all_gather_calls=r"_c10d_functional\.all_gather_into_tensor\w*\.default\(",
 )
@@ -364,8 +393,6 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
         torch_ce.enable(transport="copy_engine", reorder=True)
     elif base == "ce_noreorder":
         torch_ce.enable(transport="copy_engine", reorder=False)
-    elif base in ("ce_ownrows", "ce_fullrows"):
-        torch_ce.enable(transport="copy_engine", reorder=True, own_rows_in_place=base == "ce_ownrows")
     elif base == "ce_prefetch":
         torch_ce.enable(transport="copy_engine", reorder=True, prefetch_next_call_mib=prefetch_mib(a))
     dev = C.device()
@@ -449,7 +476,6 @@ def _summarize_report(rec: dict, report) -> None:
                 for k, v in gr.refusal_counts.items():
                     refused[k] = refused.get(k, 0) + v
             rec["graphs"] = len(report.graphs)
-            rec["own_rows_in_place"] = sum(len(gr.own_rows) for gr in report.graphs)
             rec["bound_gathers"] = len(bound)
             rec["bound_mib"] = round(sum(b.get("bytes", 0) for b in bound) / 2**20, 1)
             rec["ce_buckets"] = sum(1 for gr in report.graphs for b in gr.buckets if b.get("kind") == "ce")
@@ -541,7 +567,7 @@ def _worker(rank: int, world: int, a: dict) -> None:
             C.log(f"[e2e] T={T} {name}: building and compiling ...")
             err, rec, y = None, {}, None
             try:
-                y = _run_variant(name, a, x, mesh, rank, world, a["trace"] and name == "ce", rec)
+                y = _run_variant(name, a, x, mesh, rank, world, a["trace"] and name in ("ce", "bound"), rec)
             except Exception as e:  # noqa: BLE001
                 err = C.short_error(e)
                 C.log_all(f"[e2e] T={T} {name} FAILED: {e!r}")
@@ -570,7 +596,9 @@ def _worker(rank: int, world: int, a: dict) -> None:
                           f"{(t['overlap_fraction'] or 0) * 100:.0f}% overlapped with compute, "
                           f"exposed {t['exposed_copy_us_per_iter']} us/iter; compute "
                           f"{t['compute_busy_us_per_iter']} us/iter in a {t['gpu_span_us_per_iter']} us/iter "
-                          f"span (profiled); PtoP {t['ptop_gbps']} GB/s; nccl kernels {t['nccl_kernels']}")
+                          f"span (profiled); PtoP {t['ptop_gbps']} GB/s; nccl kernels {t['nccl_kernels']}; "
+                          f"compute idle {t['compute_gaps']['idle_us_per_iter']} us/iter "
+                          f"({t['compute_gaps']['idle_with_copy_us_per_iter']} while a copy ran)")
             per[name] = rec
             save()
         # Correctness: every output against the NCCL variant's (and the bound's), this rank.
@@ -616,11 +644,8 @@ def _worker(rank: int, world: int, a: dict) -> None:
             r["nccl_over_bound"] = round(ms["nccl"] / ms["bound"], 4)
         if ms.get("ce_noreorder") and ms.get("ce"):
             r["ce_noreorder_over_ce"] = round(ms["ce_noreorder"] / ms["ce"], 4)
-        for v in ("ce_prefetch", "ce_ownrows", "ce_fullrows"):
-            if ms.get(v) and ms.get("bound"):
-                r[f"{v}_over_bound"] = round(ms[v] / ms["bound"], 4)
-            if ms.get(v) and ms.get("nccl"):
-                r[f"{v}_over_nccl"] = round(ms[v] / ms["nccl"], 4)
+        if ms.get("ce_prefetch") and ms.get("bound"):
+            r["ce_prefetch_over_bound"] = round(ms["ce_prefetch"] / ms["bound"], 4)
         per["ratios"] = r
         tg = [C.target(f"T={T} CE/NCCL", r.get("ce_over_nccl"), "<=", 0.90),
               C.target(f"T={T} CE/bound", r.get("ce_over_bound"), "<=", 1.05)]

@@ -3,8 +3,7 @@
 A run is a sequence of weight gathers with nothing but other gathers and their waits
 between them (``to_local()`` waits right after each gather). It
 breaks at a group or dtype change, at the size cap (``bucket_size_mib``), and on the bind
-flag and on the own-rows flag (``.peers`` gathers coalesce only with each other), so a
-bucket is all-bound (``magi.ce_all_gather_coalesced``: one copy-engine
+flag, so a bucket is all-bound (``magi.ce_all_gather_coalesced``: one copy-engine
 submission) or all-unbound (``all_gather_into_tensor_coalesced``: one NCCL launch).
 
 # NOTE [refused gathers stay single]
@@ -54,7 +53,7 @@ class Bucket:
 
 
 def _key(s: Seed) -> tuple:
-    return (s.group_size, s.group_name, str(s.shard.meta["val"].dtype), s.eligible, s.peers_only)
+    return (s.group_size, s.group_name, str(s.shard.meta["val"].dtype), s.eligible)
 
 
 def _runs(graph: fx.Graph, seeds: list[Seed]) -> list[list[Seed]]:
@@ -98,12 +97,7 @@ def bucket(graph: fx.Graph, seeds: list[Seed], cfg: Config) -> list[Bucket]:
             b.node = b.members[0].gather
             continue
         first = b.members[0]
-        if not b.bound:
-            target = U.ALL_GATHER_COALESCED
-        elif first.peers_only:
-            target = U.magi.ce_all_gather_coalesced.peers
-        else:
-            target = U.magi.ce_all_gather_coalesced.default
+        target = U.magi.ce_all_gather_coalesced.default if b.bound else U.ALL_GATHER_COALESCED
         with graph.inserting_before(first.gather):
             co = graph.call_function(
                 target, ([s.shard for s in b.members], first.group_size, first.group_name)

@@ -193,7 +193,8 @@ def ce_launch_info(snode) -> tuple[int, int, str] | None:
 
     node = getattr(snode, "node", None)
     op = getattr(node, "op_overload", None)
-    if op not in (*U.ce_gathers(), U.magi.ce_prefetch.default):
+    if op not in (U.magi.ce_all_gather.default, U.magi.ce_all_gather_coalesced.default,
+                  U.magi.ce_prefetch.default):
         return None
     for origin in getattr(node, "origins", ()) or ():
         if origin.target is op:

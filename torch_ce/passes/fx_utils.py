@@ -1,8 +1,6 @@
 """One-line FX helpers shared by the passes."""
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.fx as fx
 
@@ -23,15 +21,10 @@ def is_wait(n: fx.Node) -> bool:
 
 
 def is_ce_gather(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target in ce_gathers()
-
-
-@functools.cache
-def ce_gathers() -> tuple:
-    """The CE gather launches: full outputs, and the ``peers`` ones that leave this rank's
-    rows out (NOTE [own rows in place] in own_rows.py)."""
-    return (magi.ce_all_gather.default, magi.ce_all_gather_coalesced.default,
-            magi.ce_all_gather.peers, magi.ce_all_gather_coalesced.peers)
+    return n.op == "call_function" and n.target in (
+        magi.ce_all_gather.default,
+        magi.ce_all_gather_coalesced.default,
+    )
 
 
 def find_op_nodes(graph: fx.Graph, target) -> list[fx.Node]:

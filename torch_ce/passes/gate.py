@@ -55,9 +55,6 @@ class Seed:
     # (input a placeholder, output used as is). Uneven shards are padded on some ranks
     # only, so their graphs differ and coalescing them could mismatch NCCL launches.
     coalescable: bool = False
-    # Gathers only the other ranks' rows; its matmuls read this rank's rows from the shard
-    # (NOTE [own rows in place] in own_rows.py).
-    peers_only: bool = False
 
     @property
     def eligible(self) -> bool:

@@ -28,8 +28,7 @@ except ImportError:  # pragma: no cover - older torch: gate.graph_reason falls b
 from .. import report
 from ..config import config, update
 from . import bucket as bucket_mod
-from . import fx_utils, gate as gate_mod, own_rows as own_rows_mod, plan as plan_mod
-from . import prefetch as prefetch_mod, rewrite as rewrite_mod
+from . import fx_utils, gate as gate_mod, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
 
 log = logging.getLogger("torch_ce")
 
@@ -39,8 +38,7 @@ def _source_hash() -> str:
     from .. import __version__
 
     h.update(__version__.encode())
-    for mod in (fx_utils, gate_mod, plan_mod, rewrite_mod, own_rows_mod, bucket_mod, prefetch_mod,
-                sys.modules[__name__]):
+    for mod in (fx_utils, gate_mod, plan_mod, rewrite_mod, bucket_mod, prefetch_mod, sys.modules[__name__]):
         h.update(inspect.getsource(mod).encode())
     return h.hexdigest()
 
@@ -50,8 +48,7 @@ observers: list = []
 
 
 def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.GraphRecord | None:
-    """gate -> plan -> rewrite -> own rows -> bucket -> prefetch on one post-grad graph
-    (copy_engine)."""
+    """gate -> plan -> rewrite -> bucket -> prefetch on one post-grad graph (copy_engine)."""
     if config.transport != "copy_engine":
         return None
     seeds = gate_mod.gate(graph, config, is_inference)
@@ -61,8 +58,6 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     refused_whole = gate_mod.graph_reason(graph, is_inference)
     p = plan_mod.plan(seeds, config, whole_graph_refused=refused_whole is not None)
     bind_node = rewrite_mod.rewrite(graph, p)
-    if config.own_rows_in_place and not refused_whole:
-        rec.own_rows, rec.own_rows_kept = own_rows_mod.own_rows_in_place(graph, seeds)
     buckets = [] if refused_whole else bucket_mod.bucket(graph, seeds, config)
     pf_node, pf_what = prefetch_mod.insert_prefetch(graph, buckets, config)
     if pf_what != "off":
@@ -85,10 +80,10 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     counts = collections.Counter(r["reason"] for r in rec.refused)
     log.info(
         "torch_ce: graph %d: %d gather(s) -> copy engine (%.1f MiB, %d bucket(s), bind step %s); "
-        "%d refused %s; own rows in place for %d; prefetch for the next call: %s",
+        "%d refused %s; prefetch for the next call: %s",
         rec.graph_id, len(rec.bound), sum(b["bytes"] for b in rec.bound) / 2**20,
         sum(1 for b in buckets if b.bound), "inserted" if bind_node is not None else "none",
-        len(rec.refused), dict(counts) if counts else "", len(rec.own_rows), pf_what,
+        len(rec.refused), dict(counts) if counts else "", pf_what,
     )
     return rec
 

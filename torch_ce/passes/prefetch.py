@@ -48,11 +48,9 @@ def insert_prefetch(graph: fx.Graph, buckets: list[Bucket], cfg: Config) -> tupl
         # leave the parked outputs in the graph's private pool, untracked.
         return None, "none under CUDA graphs (mode='reduce-overhead')"
     pos = {n: i for i, n in enumerate(graph.nodes)}
-    ce = sorted((b for b in buckets if b.bound and b.node is not None and U.is_ce_gather(b.node)
-                 and not b.members[0].peers_only), key=lambda b: pos[b.node])
+    ce = sorted((b for b in buckets if b.bound and b.node is not None and U.is_ce_gather(b.node)),
+                key=lambda b: pos[b.node])
     if not ce:
-        if any(b.members[0].peers_only for b in buckets if b.bound):
-            return None, "no full CE gather (own rows in place: their outputs are not parked)"
         return None, "no CE gather"
     group = ce[0].members[0].group_name
     chosen, total = [], 0
