@@ -265,9 +265,7 @@ std::vector<at::Tensor> ce_all_gather_coalesced_cuda(
   auto submit = [&](std::vector<void*>& d, std::vector<const void*>& s,
                     std::vector<size_t>& z, cudaStream_t st) {
     if (d.empty()) return;
-    // One copy goes out as a plain cudaMemcpyAsync: the same copy-engine read
-    // at about half the CPU cost of a batch of one (docs/perf-notes.md, 9).
-    if (!capturing && batch_ok() && d.size() > 1) {
+    if (!capturing && batch_ok()) {
       CE_CUDA_CHECK(torch_ce_copy::batch(d.data(), s.data(), z.data(),
                                          d.size(), true, st),
                     "cudaMemcpyBatchAsync");

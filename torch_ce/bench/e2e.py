@@ -20,8 +20,9 @@ prefetch] in torch_ce/prefetch.py; ``--prefetch-mib``, by default one decoder la
 
 Reports ms per forward (median of per-iteration CUDA events), CE/NCCL and CE/bound, the
 CE output against the NCCL output, whether the generated code calls the magi ops, and the
-reorder summary. ``--trace`` profiles 3 CE iterations on rank 0 and summarises the
-copy-engine activity and its overlap with compute (no trace file is kept).
+reorder summary. ``--trace`` profiles 3 iterations of the ce and bound variants on rank 0
+and summarises the copy-engine activity, its overlap with compute, and the compute
+stream's idle gaps (no trace file is kept).
 
 Writes ``<out>/e2e_<gpu>_w<world>.json`` (after every variant) and ``e2e_<gpu>_w<world>.png``.
 """
@@ -61,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"subset of {','.join(VARIANTS)} (default all)")
     p.add_argument("--trace", action="store_true",
-                   help="profile 3 CE iterations on rank 0 and summarise copy/compute overlap")
+                   help="profile 3 iterations of ce and bound on rank 0: copy/compute overlap, idle gaps")
     p.add_argument("--budget", type=float, default=200.0,
                    help="soft time budget in s: no new variant starts after it (default 200)")
     p.add_argument("--seed", type=int, default=0)
