@@ -39,8 +39,14 @@ if has ops; then
   echo "bench ops rc=$?"
 fi
 if has e2e; then
+  # SM clocks and power beside the timed loops (perf-notes section 9: is the GPU slowing
+  # under sustained load?); each variant's wall-clock start/end is in the e2e JSON.
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+    --format=csv -lms 200 > "$OUT/gpu_clocks.csv" 2>/dev/null &
+  SMI=$!
   timeout ${E2E_TIMEOUT:-160} python3 -m torch_ce.cli bench e2e --out "$OUT" --trace ${E2E_ARGS:-} > "$OUT/bench_e2e.log" 2>&1
   echo "bench e2e rc=$?"
+  kill $SMI 2>/dev/null
 fi
 if has tests || has titan; then
   echo "===== gpu tests"; grep -E "passed|failed|FAIL|PASS|error|Error|^\{|bytes" "$OUT/gpu_tests.log" | cut -c1-400 | tail -30

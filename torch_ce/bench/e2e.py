@@ -383,6 +383,7 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
 
     _cleanup(torch, torch_ce)
     report.clear()
+    rec["wall_start"] = round(time.time(), 3)  # to line up with run_gpu.sh's gpu_clocks.csv
     # Every variant starts from the defaults (and TORCH_CE_* variables): enable() only sets
     # what it is given, so a previous variant's options would otherwise carry over (run 14).
     torch_ce.config.update(**dataclasses.asdict(from_env()))
@@ -446,6 +447,7 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
                     C.sync()
                 C.barrier()
     finally:
+        rec["wall_end"] = round(time.time(), 3)
         compiled = model = None  # drop the references (the closures above see None)
         _summarize_report(rec, report)
         if name.startswith("ce"):
