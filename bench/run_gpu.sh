@@ -23,7 +23,7 @@ python3 -c "import torch_ce, torch_ce._cuda_lib as L, torch_ce.native as N, torc
 if has tests; then
   TESTS=${TESTS:-"test/test_build.py test/test_ops_cuda.py test/test_native_cuda.py test/test_compile_cuda.py test/test_refusals_cuda.py test/test_prefetch_cuda.py"}
   TESTS=$(for t in $TESTS; do [ -f "$t" ] && echo "$t"; done)
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider $TESTS > "$OUT/gpu_tests.log" 2>&1
+  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -s -p no:cacheprovider $TESTS > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"
 fi
 if has titan; then
