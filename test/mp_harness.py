@@ -118,6 +118,31 @@ def run_ranks(fn, world_size, *args, timeout=120, backend="gloo", env=None):
     return [pickle.loads(results[r]) for r in range(world_size)]
 
 
+def quiet_warnings() -> None:
+    """Silence torch's Future/User warnings inside a rank (they drown the failure text)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+
+def setup_compile(cache_root: str, rank: int, fx_cache: bool = False) -> None:
+    """Compile settings for a CPU rank: its own absolute Inductor cache dir (ranks never
+    share compiled code; torch 2.11 rejects a relative one), one compile thread, one
+    intra-op thread, no vector-ISA probe builds (~9 s of g++ per fresh cache dir), a fresh
+    dynamo, quiet warnings."""
+    import torch
+    import torch._inductor.config as ic
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"inductor_rank{rank}")
+    ic.fx_graph_cache = fx_cache
+    ic.compile_threads = 1
+    ic.cpp.vec_isa_ok = False
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    quiet_warnings()
+
+
 def reference_all_gather(t, group=None):
     """The backend's own all_gather_into_tensor of the same shard: the reference every
     CE gather is compared with exactly (gloo on CPU, NCCL on GPUs)."""

@@ -25,13 +25,12 @@ from __future__ import annotations
 import gc
 import os
 import random
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from mp_harness import run_ranks
+from mp_harness import quiet_warnings, run_ranks, setup_compile
 from mp_harness import reference_all_gather as _ref_gather
 from torch_ce import all_gather as _ce  # bound-shard gather + wait
 
@@ -45,11 +44,6 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _base() -> int:
     return random.randrange(1 << 30)
-
-
-def _quiet():
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
 
 
 
@@ -81,18 +75,13 @@ def _kind(t) -> str:
 
 def _compiled_disagreement(rank, ws, cache_root):
     """Rank 1 refuses every gather at compile time (high symm_min_shard_mib); rank 0 not."""
-    import torch._inductor.config as ic
     import torch_ce
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch_ce import report
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"inductor_rank{rank}")
-    ic.fx_graph_cache = False  # the graphs differ across ranks: never share compiled code
-    ic.compile_threads = 1
-    ic.cpp.vec_isa_ok = False  # skip the ISA probe builds; no vector kernels needed here
-    torch._dynamo.reset()
+    setup_compile(cache_root, rank)  # no FX graph cache: the graphs differ across ranks
 
     mesh = init_device_mesh("cpu", (ws,))
     torch.manual_seed(0)
@@ -185,7 +174,7 @@ def _bind_api_disagreement(rank, ws, base):
 
 
 def _rank_ab(rank, ws, cache_root, base):
-    _quiet()
+    quiet_warnings()
     torch.set_num_threads(1)
     return dict(compiled=_compiled_disagreement(rank, ws, cache_root),
                 bind_api=_bind_api_disagreement(rank, ws, base))
@@ -409,7 +398,7 @@ def _one_trial(rank, ws, seed, world_mesh, pair_mesh) -> dict:
 
 
 def _rank_fuzz(rank, ws, base, trials, scenario):
-    _quiet()
+    quiet_warnings()
     torch.set_num_threads(1)
     import torch_ce
     from torch.distributed.device_mesh import init_device_mesh

@@ -20,13 +20,12 @@ from __future__ import annotations
 import gc
 import os
 import random
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from mp_harness import run_ranks
+from mp_harness import quiet_warnings, run_ranks, setup_compile
 from mp_harness import reference_all_gather as _ref_gather
 from torch_ce import all_gather as _ce  # bound-shard gather + wait
 
@@ -36,25 +35,6 @@ from torch_ce import all_gather as _ce  # bound-shard gather + wait
 
 def _base() -> int:
     return random.randrange(1 << 30)
-
-
-def _quiet():
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
-
-
-def _setup_compile(cache_root: str, rank: int, fx_cache: bool) -> None:
-    """Per-rank absolute Inductor cache dir (the brief: never share compiled code across
-    ranks), one compile thread, no vector-ISA probe builds."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"inductor_rank{rank}")
-    import torch._inductor.config as ic
-
-    ic.fx_graph_cache = fx_cache
-    ic.compile_threads = 1
-    ic.cpp.vec_isa_ok = False
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    _quiet()
 
 
 def _shm_maps() -> list[str]:
@@ -201,7 +181,7 @@ def _misuse(rank, ws, base):
 
 
 def _rank_bind_lifecycle(rank, ws, base):
-    _quiet()
+    quiet_warnings()
     torch.set_num_threads(1)
     import torch_ce
 
@@ -273,7 +253,7 @@ def test_one_rank_group_binds_nothing_and_copies(bind_lifecycle):
 
 def _rank_recompile(rank, ws, cache_root, phase):
     """phase 0: cold cache; phase 1: a new process with the same (warm) per-rank cache."""
-    _setup_compile(cache_root, rank, fx_cache=True)
+    setup_compile(cache_root, rank, fx_cache=True)
     import torch_ce
     import torch_ce.windows as W
     from torch._dynamo.utils import counters
@@ -400,7 +380,7 @@ def test_after_release_all_the_next_run_binds_again(recompiles, phase):
 
 
 def _rank_groups(rank, ws, cache_root):
-    _setup_compile(cache_root, rank, fx_cache=False)
+    setup_compile(cache_root, rank, fx_cache=False)
     import torch_ce
     import torch_ce.windows as W
     from torch.distributed.device_mesh import init_device_mesh

@@ -15,12 +15,11 @@ uneven Shard(0) case makes the graphs differ across ranks (DESIGN.md).
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
 
-from mp_harness import run_ranks
+from mp_harness import run_ranks, setup_compile
 
 TIMEOUT = 240
 
@@ -48,22 +47,6 @@ WEIGHT_CASES = ["uneven", "shard1", "noncontig", "cast", "tiny", "twice"]
 # ---------------------------------------------------------------------------------------
 # Rank side (module level: spawn pickles them by name)
 # ---------------------------------------------------------------------------------------
-
-
-def _setup_child(cache_root: str, rank: int) -> None:
-    """A fresh per-rank Inductor cache (absolute), no FX graph cache, one thread."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"inductor_rank{rank}")
-    import torch._inductor.config as ic
-
-    ic.fx_graph_cache = False
-    ic.compile_threads = 1
-    # Skip the vector-ISA probe builds (~9 s of g++ per fresh cache dir); the kernels here
-    # are copies, casts and pads, exact with or without vectorization.
-    ic.cpp.vec_isa_ok = False
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
 
 
 def _gather_full(w, **kw):
@@ -291,7 +274,7 @@ def _bind_api(rank, ws, mesh):
 
 
 def _rank_matrix(rank, ws, cache_root):
-    _setup_child(cache_root, rank)
+    setup_compile(cache_root, rank)
     import torch_ce
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -434,7 +417,7 @@ def test_bind_api_binds_replicate_x_shard(matrix):
 
 
 def _rank_two_d(rank, ws, cache_root):
-    _setup_child(cache_root, rank)
+    setup_compile(cache_root, rank)
     import torch_ce
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
