@@ -55,14 +55,16 @@ def _calibrate(rank, world, cache_dir):
     import torch_ce
     from torch_ce import windows as W
 
+    # A cache dir per rank: with a shared one the other rank's calibration may land on disk
+    # last (atomic replace, last writer wins), and "disk == this rank's fit" below flaked.
+    cache_dir = os.path.join(cache_dir, f"rank{rank}")
     torch_ce.config.update(cost_cache_dir=cache_dir, cost_mode="calibrated")
     cost._curves.clear()
     key = cost.link_key(torch.device("cpu"), world)
     # A curve left on disk by another process (as a small window's noise fit once was).
     os.makedirs(cache_dir, exist_ok=True)
-    if torch.distributed.get_rank() == 0:
-        with open(os.path.join(cache_dir, f"ce_cost_{key}.json"), "w") as f:
-            json.dump(dict(latency_us=68.0, gbps=0.001, source="calibrated"), f)
+    with open(os.path.join(cache_dir, f"ce_cost_{key}.json"), "w") as f:
+        json.dump(dict(latency_us=68.0, gbps=0.001, source="calibrated"), f)
     torch.distributed.barrier()
     on_disk = cost.curve_for("cpu", world)
     # A small window is no calibration: the curve stays what it was.
