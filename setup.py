@@ -136,8 +136,8 @@ setup(
     extras_require={"test": ["pytest", "expecttest"], "plot": ["matplotlib"]},
     entry_points={"console_scripts": ["torch-ce = torch_ce.cli:main"]},
     ext_modules=[
-        Extension("torch_ce._ce_ops", sources=[CUDA_SOURCE], depends=["csrc/ce_copy.h"]),
-        Extension("torch_ce._ce_torch", sources=[TORCH_SOURCE], depends=["csrc/ce_copy.h"]),
+        Extension("torch_ce.runtime._ce_ops", sources=[CUDA_SOURCE], depends=["csrc/ce_copy.h"]),
+        Extension("torch_ce.runtime._ce_torch", sources=[TORCH_SOURCE], depends=["csrc/ce_copy.h"]),
     ],
     cmdclass={"build_ext": NvccBuildExt},
     zip_safe=False,

@@ -44,7 +44,7 @@ def main():
     else:
         dist.init_process_group("gloo")
     import torch_ce
-    from torch_ce import _cuda_lib, native, cuda_transport as tr, windows as W
+    from torch_ce.runtime import _cuda_lib, native, cuda as tr, windows as W
 
     torch_ce.config.update(cost_mode="default")
     ws = dist.get_world_size()

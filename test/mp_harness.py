@@ -160,7 +160,7 @@ def reference_all_gather(t, group=None):
 def count_submissions() -> dict:
     """Wrap the CUDA library's two submission paths (as the Python kernel calls them) to
     count calls: {"batch": n, "per_peer": n}. The C++ kernels submit without them."""
-    from torch_ce import _cuda_lib
+    from torch_ce.runtime import _cuda_lib
 
     counts = {"batch": 0, "per_peer": 0}
     real_batch, real_peer = _cuda_lib.memcpy_batch, _cuda_lib.memcpy_peer_fallback

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from torch_ce import _cuda_lib
+from torch_ce.runtime import _cuda_lib
 
 SYMBOLS = (
     "torch_ce_runtime_version",
@@ -139,7 +139,7 @@ def test_empty_batch_is_noop():
 def test_torch_kernels_follow_the_torch_build():
     """csrc/ce_torch.cpp links torch's CUDA libraries: built and loaded with a CUDA torch
     (and nvcc), absent with a CPU torch, where the Python kernel serves every gather."""
-    from torch_ce import native
+    from torch_ce.runtime import native
 
     if torch.version.cuda is None or not _build_expected:
         assert native.library_path() is None
@@ -153,7 +153,7 @@ def test_torch_kernels_follow_the_torch_build():
 
 
 def test_loopback_needs_matching_tensors():
-    from torch_ce import native
+    from torch_ce.runtime import native
 
     class _Group:
         group_name = "unused"

@@ -23,7 +23,7 @@ def _e2e(rank, world, cache_root):
     from torch.profiler import ProfilerActivity, profile
 
     import torch_ce
-    from torch_ce import windows as W
+    from torch_ce.runtime import windows as W
     from torch_ce.simple_fsdp import build
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"r{rank}")

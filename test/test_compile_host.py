@@ -37,7 +37,7 @@ def _run(rank, world, cache_dir, seed):
     from torch._inductor.utils import run_and_get_code
 
     import torch_ce
-    from torch_ce import windows as W
+    from torch_ce.runtime import windows as W
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     torch.set_num_threads(1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mp_harness import run_ranks
-from torch_ce.passes import cost
+from torch_ce.runtime import calibration as cost
 
 
 def test_timing_hook_times_wait_of_launch():
@@ -53,7 +53,7 @@ def test_implausible_inductor_peaks_fall_back(monkeypatch):
 
 def _calibrate(rank, world, cache_dir):
     import torch_ce
-    from torch_ce import windows as W
+    from torch_ce.runtime import windows as W
 
     # A cache dir per rank: with a shared one the other rank's calibration may land on disk
     # last (atomic replace, last writer wins), and "disk == this rank's fit" below flaked.

@@ -63,7 +63,7 @@ def _calls(code: str, needle: str) -> int:
 
 
 def _kind(t) -> str:
-    import torch_ce.windows as W
+    import torch_ce.runtime.windows as W
 
     return type(W.lookup(t)).__name__
 

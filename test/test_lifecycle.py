@@ -48,7 +48,7 @@ def _shm_maps() -> list[str]:
 
 
 def _n_windows() -> int:
-    import torch_ce.windows as W
+    import torch_ce.runtime.windows as W
 
     return sum(len(p.windows) for p in W.pools().values())
 
@@ -60,7 +60,7 @@ def _n_windows() -> int:
 
 def _memory(rank, ws, base):
     import torch_ce
-    import torch_ce.windows as W
+    import torch_ce.runtime.windows as W
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -255,7 +255,7 @@ def _rank_recompile(rank, ws, cache_root, phase):
     """phase 0: cold cache; phase 1: a new process with the same (warm) per-rank cache."""
     setup_compile(cache_root, rank, fx_cache=True)
     import torch_ce
-    import torch_ce.windows as W
+    import torch_ce.runtime.windows as W
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -382,7 +382,7 @@ def test_after_release_all_the_next_run_binds_again(recompiles, phase):
 def _rank_groups(rank, ws, cache_root):
     setup_compile(cache_root, rank, fx_cache=False)
     import torch_ce
-    import torch_ce.windows as W
+    import torch_ce.runtime.windows as W
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch_ce import report

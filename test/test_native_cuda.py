@@ -104,7 +104,7 @@ LOOP_SPECS = (((128, 64), torch.float32), ((4096,), torch.bfloat16),
 
 def _loop_pairs(dev, gen, pos):
     """(mine, peer, expected) per spec; ``pos`` is this rank's position in the pair."""
-    from torch_ce import native
+    from torch_ce.runtime import native
 
     pairs = []
     for shape, dtype in LOOP_SPECS:
@@ -120,7 +120,7 @@ def _expected(pairs, pos):
 
 
 def _loop_exact(rank, world):
-    from torch_ce import native
+    from torch_ce.runtime import native
 
     dev = _device(0)
     gen = torch.Generator(device=dev).manual_seed(os.getpid())
@@ -245,7 +245,7 @@ def test_loopback_compiled_with_cudagraph_trees():
 
 def _exact(rank, world):
     import torch_ce
-    from torch_ce import native
+    from torch_ce.runtime import native
 
     dev = _device(rank)
     torch_ce.config.update(cost_mode="default")

@@ -41,7 +41,7 @@ def _wait(t):
 
 
 def _windows_overlap(t) -> bool:
-    import torch_ce.windows as W
+    import torch_ce.runtime.windows as W
 
     lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     for pool in W.pools().values():
@@ -61,10 +61,10 @@ def _windows_overlap(t) -> bool:
 
 def _rank_cuda_exact(rank, ws, base, batched):
     import torch_ce
-    import torch_ce.windows as W
+    import torch_ce.runtime.windows as W
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    from torch_ce import _cuda_lib, native
+    from torch_ce.runtime import _cuda_lib, native
 
     dev = torch.device("cuda", rank)
     if batched == "native":
@@ -175,7 +175,7 @@ def _rank_cuda_exact(rank, ws, base, batched):
 def test_cuda_gather_exact(batched):
     """The Python kernel's two submission paths (TORCH_CE_NATIVE=0), and the C++ kernel."""
     if batched == "native":
-        from torch_ce import native
+        from torch_ce.runtime import native
 
         if native.library_path() is None:
             pytest.skip("the C++ gather kernels are not built")
@@ -200,7 +200,7 @@ class _NoWaitStream(torch.cuda.Stream):
 
 def _rank_cuda_ordering(rank, ws, base):
     import torch_ce
-    from torch_ce import cuda_transport as tr
+    from torch_ce.runtime import cuda as tr
 
     dev = torch.device("cuda", rank)
     gen = torch.Generator(device=dev).manual_seed(base + rank)

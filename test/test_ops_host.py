@@ -82,7 +82,7 @@ def _make_dtensor_params(mesh, gen, specs):
 
 def _check_in_window(name, t):
     """``t`` is a bound shard that views its slot: no second copy anywhere."""
-    import torch_ce.windows as W
+    import torch_ce.runtime.windows as W
 
     slot = W.lookup(t)
     assert isinstance(slot, W.Slot), f"{name}: not bound after bind ({slot!r})"
@@ -281,7 +281,7 @@ def test_opcheck():
 
 def _rank_window_cap(rank, ws, base):
     import torch_ce
-    import torch_ce.windows as W
+    import torch_ce.runtime.windows as W
     from torch_ce.config import patch  # torch_ce.config is the Config object, not the module
 
     gen = torch.Generator().manual_seed(base + rank)
@@ -387,7 +387,7 @@ def test_errors_and_refusals():
 
 def _rank_disagreement(rank, ws, base):
     import torch_ce
-    import torch_ce.windows as W
+    import torch_ce.runtime.windows as W
 
     gen = torch.Generator().manual_seed(base + rank)
     gname = dist.group.WORLD.group_name

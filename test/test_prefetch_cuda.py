@@ -25,7 +25,7 @@ def _prefetch_compiled(rank, world, cache_root):
     from torch.distributed.device_mesh import init_device_mesh
 
     import torch_ce
-    from torch_ce import native, prefetch
+    from torch_ce.runtime import native, prefetch
     from torch_ce.simple_fsdp import build
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"r{rank}")

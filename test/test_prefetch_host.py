@@ -33,7 +33,7 @@ def _run(rank, world, seed, cache_dir):
     import torch.distributed as dist
 
     import torch_ce
-    from torch_ce import prefetch
+    from torch_ce.runtime import prefetch
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # a cold cache: the passes run here
     torch.set_num_threads(1)

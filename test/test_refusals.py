@@ -107,7 +107,8 @@ def _matrix(rank, ws, mesh):
     """The main model: one compile, every per-gather refusal at once."""
     import torch_ce
     from torch._inductor.utils import run_and_get_code
-    from torch_ce import report, windows as W
+    from torch_ce import report
+    from torch_ce.runtime import windows as W
 
     model = _Matrix(mesh, rank, ws)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -142,7 +143,8 @@ def _host_off(rank, ws, mesh):
     import torch_ce
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch_ce import report, windows as W
+    from torch_ce import report
+    from torch_ce.runtime import windows as W
 
     torch.manual_seed(1)
     w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]), requires_grad=False)
@@ -175,7 +177,8 @@ def _training(rank, ws, mesh):
     """A graph that needs gradients keeps gloo and still trains: grads equal eager grads."""
     import torch_ce
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch_ce import report, windows as W
+    from torch_ce import report
+    from torch_ce.runtime import windows as W
 
     torch.manual_seed(2)
     full = [torch.randn(8, 8), torch.randn(6, 8)]
@@ -208,7 +211,8 @@ def _mutation(rank, ws, mesh):
     """An inference graph that updates a weight in place keeps gloo; results stay exact."""
     import torch_ce
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch_ce import report, windows as W
+    from torch_ce import report
+    from torch_ce.runtime import windows as W
 
     torch.manual_seed(3)
     full = torch.randn(8, 8)
@@ -422,7 +426,8 @@ def _rank_two_d(rank, ws, cache_root):
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch_ce import report, windows as W
+    from torch_ce import report
+    from torch_ce.runtime import windows as W
 
     torch_ce.config.update(cost_cache_dir=os.path.join(cache_root, "cost"))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))

@@ -99,7 +99,8 @@ def _matrix(rank, ws, dev, dtype):
     import torch_ce
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
-    from torch_ce import report, windows as W
+    from torch_ce import report
+    from torch_ce.runtime import windows as W
 
     mesh = init_device_mesh(dev.type, (ws,))
     model = _Matrix(mesh, rank, ws, dev, dtype)
@@ -180,7 +181,8 @@ def _mutation(rank, ws, dev, dtype):
     import torch_ce
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch_ce import report, windows as W
+    from torch_ce import report
+    from torch_ce.runtime import windows as W
 
     mesh = init_device_mesh(dev.type, (ws,))
     torch.manual_seed(3)

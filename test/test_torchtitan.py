@@ -108,7 +108,8 @@ def _rank_fp32(rank, world_size, seed, cache_dir):
     import torch_ce
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.tensor import Shard
-    from torch_ce import report, windows
+    from torch_ce import report
+    from torch_ce.runtime import windows
 
     model = _build(seed)
     placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
@@ -153,7 +154,8 @@ def _rank_bf16_policy(rank, world_size, seed, cache_dir):
     _setup_child(cache_dir)
     import torch_ce
     from torch._inductor.utils import run_and_get_code
-    from torch_ce import report, windows
+    from torch_ce import report
+    from torch_ce.runtime import windows
     from torchtitan.experiments.graph_trainer.simple_fsdp import MixedPrecisionPolicy
 
     model = _build(seed, MixedPrecisionPolicy(param_dtype=torch.bfloat16))

@@ -14,10 +14,10 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import ops  # noqa: F401  (defines torch.ops.magi.*)
-from .binding import BindResult, bind
 from .config import config
-from .prefetch import drop as drop_prefetched
-from .windows import release_all
+from .runtime.binding import BindResult, bind
+from .runtime.prefetch import drop as drop_prefetched
+from .runtime.windows import release_all
 
 
 def all_gather(shard, group=None):

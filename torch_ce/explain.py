@@ -11,7 +11,7 @@ import collections
 import dataclasses
 
 from . import report
-from . import windows as W
+from .runtime import windows as W
 from .config import config
 
 

@@ -3,7 +3,7 @@
 The CE ops and the bind step lower to FallbackKernels (the generated code calls the op).
 Inductor counts a FallbackKernel as compute (``is_collective`` only knows
 ``_CollectiveKernel``), so the reorder asks ``_issues_transfer`` instead (NOTE [CE ops are
-transfers] in passes/reorder.py). The cost of a transfer is in passes/cost.py.
+transfers] in passes/reorder.py). The cost of a transfer is in passes/cost.py; ``ce_launch_info`` is what it reads.
 """
 from __future__ import annotations
 
@@ -31,11 +31,29 @@ def _issues_transfer(snode) -> bool:
     """True for NCCL collective launches and for the CE gather ops."""
     from torch._inductor import ir
 
-    from .passes.cost import ce_launch_info
-
     node = getattr(snode, "node", None)
     if node is None or isinstance(node, ir._WaitKernel):  # a wait subclasses the kernel
         return False
     if isinstance(node, ir._CollectiveKernel):
         return True
     return ce_launch_info(snode) is not None
+
+
+def ce_launch_info(snode) -> tuple[int, int, str] | None:
+    """(bytes per rank, group size, device type) of a CE gather launch node (a prefetch
+    included), else None."""
+    magi = torch.ops.magi
+    node = getattr(snode, "node", None)
+    op = getattr(node, "op_overload", None)
+    if op not in (magi.ce_all_gather.default, magi.ce_all_gather_coalesced.default,
+                  magi.ce_prefetch.default):
+        return None
+    for origin in getattr(node, "origins", ()) or ():
+        if origin.target is op:
+            shards = origin.args[0] if isinstance(origin.args[0], (list, tuple)) else [origin.args[0]]
+            vals = [s.meta["val"] for s in shards]
+            nbytes = sum(int(v.numel()) * v.element_size() for v in vals)
+            return nbytes, int(origin.args[1]), vals[0].device.type
+    return None
+
+

@@ -32,8 +32,8 @@ from typing import Sequence
 
 import torch
 
-from . import native, prefetch
-from . import windows as W
+from .runtime import native, prefetch
+from .runtime import windows as W
 
 _FUNCTIONAL = torch.ops._c10d_functional
 
@@ -112,9 +112,9 @@ def gather(shards: Sequence[torch.Tensor], group_size: int, group_name: str) -> 
     if slots:
         bouts = [_out_like(shards[i], group_size) for i in bound_idx]
         if bouts[0].device.type == "cuda":
-            from . import cuda_transport as tr
+            from .runtime import cuda as tr
         else:
-            from . import host_transport as tr
+            from .runtime import host as tr
         tr.gather_into(bouts, slots)
         for i, o in zip(bound_idx, bouts):
             outs[i] = o
@@ -136,7 +136,7 @@ def ce_prefetch(shards: list[torch.Tensor], group_size: int, group_name: str) ->
 
 
 def ce_bind(shards, group_sizes, group_names, names, reasons) -> None:
-    from .passes.bind_step import run_bind_step
+    from .runtime.bind_step import run_bind_step
 
     run_bind_step(shards, group_sizes, group_names, names, reasons)
 

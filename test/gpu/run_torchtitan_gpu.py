@@ -90,7 +90,7 @@ def compile_and_run(model, xs, transport: str):
         torch.cuda.synchronize()
         after_first = None
         if transport == "copy_engine":
-            from torch_ce import windows
+            from torch_ce.runtime import windows
 
             after_first = {n: type(windows.lookup(p._local_tensor)).__name__
                            for n, p in model.named_parameters()}
@@ -124,7 +124,7 @@ def main() -> int:
             C.check("import torchtitan.experiments.graph_trainer.simple_fsdp", False, repr(e))
             return _finish(C, world, t0)
         from torch.distributed.tensor import DTensor, Shard
-        from torch_ce import _cuda_lib
+        from torch_ce.runtime import _cuda_lib
 
         if not C.check("CUDA library built", _cuda_lib.is_built(), _cuda_lib.library_path() or
                        "run `pip install --no-build-isolation -e .` with nvcc"):

@@ -432,7 +432,7 @@ def env_info(world_size: int | None = None) -> dict:
         info["torch_error"] = repr(e)
     try:
         import torch_ce
-        from torch_ce import _cuda_lib, native
+        from torch_ce.runtime import _cuda_lib, native
 
         info["torch_ce"] = torch_ce.__version__
         info["ce_lib_built"] = _cuda_lib.is_built()

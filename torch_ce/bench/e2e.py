@@ -398,7 +398,7 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
     elif base == "ce_prefetch":
         torch_ce.enable(transport="copy_engine", reorder=True, prefetch_next_call_mib=prefetch_mib(a))
     dev = C.device()
-    torch_ce.prefetch.reset_stats()
+    torch_ce.runtime.prefetch.reset_stats()
     if name.startswith("ce"):
         rec["ce_cost_curve_at_compile"] = _curve(dev, world)
     t0 = time.perf_counter()
@@ -452,7 +452,7 @@ def _run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool
         _summarize_report(rec, report)
         if name.startswith("ce"):
             rec["ce_cost_curve_after_run"] = _curve(dev, world)
-            rec["prefetch_stats"] = dict(torch_ce.prefetch.stats)
+            rec["prefetch_stats"] = dict(torch_ce.runtime.prefetch.stats)
     return out
 
 
@@ -498,7 +498,7 @@ def _summarize_report(rec: dict, report) -> None:
 def _curve(dev, world: int):
     """The CE cost curve the reorder would use now (default, on-disk or calibrated)."""
     try:
-        from torch_ce.passes import cost
+        from torch_ce.runtime import calibration as cost
 
         c = cost.curve_for(dev.type, world)
         return dict(latency_us=round(c.latency_us, 2), gbps=round(c.gbps, 1), source=c.source)

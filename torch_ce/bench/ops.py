@@ -154,7 +154,7 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
     import torch.distributed as dist
 
     import torch_ce
-    from torch_ce import native
+    from torch_ce.runtime import native
 
     wait = torch.ops._c10d_functional.wait_tensor
     dev = C.device()

@@ -1,243 +1,25 @@
-"""Cost model: what a gather launch costs the schedule, in microseconds.
+"""Scheduler-node costs for the reorder, in microseconds (compile time).
 
-# NOTE [wait(launch()) cost]
-A copy-engine gather's launch is ~3 us of CPU issue; what the schedule must hide is the time
-from launch until its consumer may proceed, i.e. the copies on the copy stream:
-cost = wait(launch()). Sizing the overlap window by the launch alone undersizes it by an
-order of magnitude. The curve latency + (group_size - 1) * bytes_per_rank / bandwidth is
-measured at run time on the real windows right after they are published (``calibrate``),
-kept per (device model, group size, link) and cached on disk for later compiles. Before any
-calibration the default curve below (our 2 x H200 NV18 measurements) is used.
-
-Which decisions must match across ranks: NCCL gathers are costed only from rank-identical
-inputs (Inductor's analytical estimate); CE gathers may use this rank's calibration, since
-the reorder keeps every launch's relative order (NOTE [launch order] in reorder.py).
-Nothing here runs a collective.
+A CE launch costs wait(launch()) by the curve the run time calibrated
+(NOTE [wait(launch()) cost] in runtime/calibration.py); compute nodes cost our roofline from
+device peaks measured at bind time. NCCL gathers are costed only from rank-identical
+inputs (Inductor's analytical estimate).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import os
-import time
-from typing import Callable
 
 import torch
 
+from ..inductor_lowering import ce_launch_info
+from ..runtime.calibration import curve_for, measured_peaks
+
 log = logging.getLogger("torch_ce")
-
-
-@dataclasses.dataclass
-class Curve:
-    latency_us: float
-    gbps: float  # GB/s of peer bytes into one rank
-    source: str = "default"
-
-    def us(self, bytes_per_rank: int, group_size: int) -> float:
-        return self.latency_us + (group_size - 1) * bytes_per_rank / (self.gbps * 1e3)
-
-
-# 2 x H200, NV18, cudaMemcpyBatchAsync (DESIGN.md): 16 MiB 64.3 us, 64 MiB 229 us,
-# 256 MiB 877 us -> ~310 GB/s; ~25 us at 1-4 MiB.
-DEFAULT_CE_CURVE = Curve(latency_us=20.0, gbps=310.0, source="default (2xH200 NV18)")
-# Host transport (memcpy through shared memory): a rough CPU figure.
-DEFAULT_HOST_CURVE = Curve(latency_us=5.0, gbps=5.0, source="default (host memcpy)")
-
-_curves: dict[str, Curve] = {}
-
-
-def link_key(device: torch.device, group_size: int) -> str:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).replace(" ", "_")
-        return f"{name}_g{group_size}_p2p"
-    return f"cpu_g{group_size}_shm"
-
-
-def _cache_path(key: str) -> str:
-    from ..config import config
-
-    root = config.cost_cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "torch_ce")
-    return os.path.join(root, f"ce_cost_{key}.json")
-
-
-def curve_for(device_type: str, group_size: int, device: torch.device | None = None) -> Curve:
-    """The calibrated curve for this link if known (memory, then disk), else the default."""
-    from ..config import config
-
-    default = DEFAULT_CE_CURVE if device_type == "cuda" else DEFAULT_HOST_CURVE
-    if config.cost_mode != "calibrated":
-        return default
-    try:
-        dev = device or (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu"))
-        key = link_key(dev, group_size)
-    except Exception:
-        return default
-    if key in _curves:
-        return _curves[key]
-    try:
-        with open(_cache_path(key)) as f:
-            d = json.load(f)
-        # "cached", not "calibrated": a process with windows of its own still calibrates
-        # once (calibrate() skips only its own in-process fit).
-        _curves[key] = Curve(d["latency_us"], d["gbps"], "cached")
-        return _curves[key]
-    except (OSError, ValueError, KeyError):
-        return default
-
-
-def fit(points: list[tuple[int, float]]) -> Curve:
-    """Least-squares latency + bytes / bandwidth through (peer bytes, us) points."""
-    n = len(points)
-    mx = sum(b for b, _ in points) / n
-    my = sum(t for _, t in points) / n
-    sxx = sum((b - mx) ** 2 for b, _ in points) or 1.0
-    slope = sum((b - mx) * (t - my) for b, t in points) / sxx  # us per byte
-    slope = max(slope, 1e-9)
-    return Curve(max(my - slope * mx, 0.0), 1.0 / slope / 1e3, "calibrated")
-
-
-def time_wait_launch(launch: Callable[[], object], wait: Callable[[object], object],
-                     device: torch.device, iters: int = 5) -> float:
-    """Median microseconds of ``wait(launch())``: issue to consumer-may-proceed."""
-    samples = []
-    for i in range(iters + 1):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            # Hide the CPU issue behind a short sleep, so the interval is the device-side
-            # wait(launch()): what compute must cover.
-            torch.cuda._sleep(200_000)
-            s.record()
-            wait(launch())
-            e.record()
-            e.synchronize()
-            us = s.elapsed_time(e) * 1e3
-        else:
-            t0 = time.perf_counter()
-            wait(launch())
-            us = (time.perf_counter() - t0) * 1e6
-        if i:  # the first run warms up
-            samples.append(us)
-    samples.sort()
-    return samples[len(samples) // 2]
-
-
-# The largest ladder point must read at least this much from peers, else no calibration.
-MIN_CALIBRATION_BYTES = 16 * 2**20
-
-
-def calibrate(slot, sizes_mib=(1, 4, 16, 64)) -> Curve | None:
-    """Time wait(launch()) on the real windows of a just-published ``slot``'s window.
-
-    Reads prefixes of the peers' windows (up to the window's size) into a scratch buffer
-    with the same transport the ops use. Local to this rank: no collective. A window
-    smaller than ``MIN_CALIBRATION_BYTES`` of peer reads is not calibrated (returns None).
-    """
-    from .. import cuda_transport, host_transport, windows as W
-
-    w = slot.window
-    dev = w.device
-    key = link_key(dev, w.group_size)
-    if key in _curves and _curves[key].source == "calibrated":
-        return _curves[key]
-    points = []
-    for mib in sizes_mib:
-        nbytes = min(int(mib * 2**20), w.nbytes) // 512 * 512
-        if nbytes <= 0 or (points and nbytes == points[-1][0] // (w.group_size - 1)):
-            continue
-        probe = W.Slot(w, 0, nbytes, (nbytes,), torch.uint8, "calibration")
-        tr = cuda_transport if dev.type == "cuda" else host_transport
-        tr.publish_slot(probe)
-
-        def launch(probe=probe, nbytes=nbytes):
-            out = torch.empty(w.group_size * nbytes, dtype=torch.uint8, device=dev)
-            tr.gather_into([out], [probe])
-            return out
-
-        us = time_wait_launch(launch, torch.ops._c10d_functional.wait_tensor, dev)
-        points.append(((w.group_size - 1) * nbytes, us))
-    if len(points) < 2 or points[-1][0] < MIN_CALIBRATION_BYTES:
-        # A short ladder is all latency and noise: its slope is no bandwidth. Such a fit
-        # (16.9 GB/s from a test's KiB-sized window, cached on disk) steered the e2e runs
-        # 8-10 (docs/perf-notes.md, "the calibration in the e2e process").
-        log.debug("torch_ce: window of %d B too small to calibrate the CE cost (needs %d B "
-                  "of peer reads); keeping %s", w.nbytes, MIN_CALIBRATION_BYTES,
-                  curve_for(dev.type, w.group_size, dev).source)
-        return None
-    c = fit(points)
-    _curves[key] = c
-    try:
-        path = _cache_path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # Ranks of one machine share the cache: write atomically, never a half file.
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(dict(dataclasses.asdict(c), points=points), f)
-        os.replace(tmp, path)
-    except OSError as e:
-        log.debug("torch_ce: could not cache the cost curve: %s", e)
-    log.info("torch_ce: calibrated CE gather cost for %s: %.1f us + bytes / %.0f GB/s", key, c.latency_us, c.gbps)
-    return c
-
-
-# ---------------------------------------------------------------------------------------
-# Scheduler-node costs
-# ---------------------------------------------------------------------------------------
-
-
-def ce_launch_info(snode) -> tuple[int, int, str] | None:
-    """(bytes per rank, group size, device type) of a CE gather launch node (a prefetch
-    included), else None."""
-    from . import fx_utils as U
-
-    node = getattr(snode, "node", None)
-    op = getattr(node, "op_overload", None)
-    if op not in (U.magi.ce_all_gather.default, U.magi.ce_all_gather_coalesced.default,
-                  U.magi.ce_prefetch.default):
-        return None
-    for origin in getattr(node, "origins", ()) or ():
-        if origin.target is op:
-            shards = origin.args[0] if isinstance(origin.args[0], (list, tuple)) else [origin.args[0]]
-            vals = [s.meta["val"] for s in shards]
-            nbytes = sum(int(v.numel()) * v.element_size() for v in vals)
-            return nbytes, int(origin.args[1]), vals[0].device.type
-    return None
-
 
 # Plausibility floors for a CUDA device's peaks: the H200 run (torch 2.11, triton 3.6,
 # a VM) gave Inductor helper values that made compute look ~1000x slower than it is.
 _MIN_TFLOPS, _MIN_GBPS = 10.0, 200.0
 _FALLBACK_PEAK = (400.0, 2000.0)  # conservative bf16 TFLOP/s, HBM GB/s
-_peaks: dict[str, tuple[float, float]] = {}  # device name -> (TFLOP/s, GB/s), measured
-
-
-def measure_peaks(device: torch.device) -> tuple[float, float]:
-    """Time one bf16 matmul and one device copy (at bind time, ~10 ms, local only)."""
-    name = torch.cuda.get_device_name(device)
-    if name in _peaks:
-        return _peaks[name]
-    n = 4096
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    src = torch.empty(64 * 2**20, device=device, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-
-    def timed(fn, iters=5):
-        fn()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(iters):
-            fn()
-        e.record()
-        e.synchronize()
-        return s.elapsed_time(e) / iters / 1e3  # seconds
-
-    tflops = 2 * n**3 / timed(lambda: torch.mm(a, b)) / 1e12
-    gbps = 2 * src.numel() / timed(lambda: dst.copy_(src)) / 1e9
-    _peaks[name] = (tflops, gbps)
-    log.info("torch_ce: measured %s peaks: %.0f TFLOP/s bf16, %.0f GB/s", name, tflops, gbps)
-    return _peaks[name]
 
 
 def _device_peaks(dtype) -> tuple[float, float]:
@@ -245,8 +27,9 @@ def _device_peaks(dtype) -> tuple[float, float]:
     when plausible, else a conservative fallback."""
     try:
         name = torch.cuda.get_device_name()
-        if name in _peaks:
-            return _peaks[name]
+        measured = measured_peaks(name)
+        if measured is not None:
+            return measured
     except Exception:
         pass
     try:

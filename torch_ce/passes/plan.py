@@ -12,7 +12,7 @@ import dataclasses
 import torch.fx as fx
 
 from ..config import Config
-from ..windows import WindowPool
+from ..runtime.windows import WindowPool
 from .gate import Seed
 
 

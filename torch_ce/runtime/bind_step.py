@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from .. import windows as W
+from . import windows as W
 
 log = logging.getLogger("torch_ce")
 
@@ -36,8 +36,8 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
     if all(W.lookup(s) is not None for s in shards):
         _remember(key, shards[0])
         return
-    from ..binding import Candidate, bind_candidates, local_reason
     from ..config import config
+    from .binding import Candidate, bind_candidates, local_reason
 
     resolve = torch._C._distributed_c10d._resolve_process_group
     cands = []

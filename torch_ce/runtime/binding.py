@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config import config
 from . import native
 from . import windows as W
-from .config import config
 
 log = logging.getLogger("torch_ce")
 
@@ -172,12 +172,12 @@ def agree(cands: list[Candidate], agree_group) -> tuple[list[bool], list[str | N
 
 def _transport(device: torch.device):
     if device.type == "cuda":
-        from . import cuda_transport
+        from . import cuda
 
-        return cuda_transport
-    from . import host_transport
+        return cuda
+    from . import host
 
-    return host_transport
+    return host
 
 
 def _mark_fallback(c: Candidate, reason: str) -> None:
@@ -345,7 +345,7 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
 
 def _calibrate(slot: W.Slot) -> None:
     """Time wait(launch()) on the fresh windows for the reorder's cost curve (local only)."""
-    from .passes import cost
+    from . import calibration as cost
 
     try:
         cost.calibrate(slot)
