@@ -1,0 +1,102 @@
+"""One eligibility predicate, with enumerated reasons, for the gate and for bind.
+
+The gate (compile time, on FakeTensor meta values) and the bind (run time, on live shards)
+ask the same question of a shard: can a symmetric window hold it and its peers read it?
+``shard_refusal`` answers it for both from plain facts (device type, byte size,
+contiguity, group size, the config), so the two can never disagree about a shard. What
+only one side can see (the graph's shape around a gather; a DTensor's placements; a
+peer's verdict) is refused with the other members of ``Reason`` by that side.
+
+Every refusal carries a ``Reason`` (its ``code`` travels in the bind's agreement, so a
+peer can say why it refused) and the text a person reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Reason(enum.IntEnum):
+    """Why a weight gather stays on the collective backend (codes are stable: they are
+    exchanged between ranks)."""
+
+    # Shard facts: shard_refusal (gate and bind alike).
+    GROUP_OF_ONE = 1
+    EMPTY = 2
+    NON_CONTIGUOUS = 3
+    DYNAMIC_SHAPE = 4
+    CUDA_UNAVAILABLE = 5
+    HOST_TRANSPORT_OFF = 6
+    UNSUPPORTED_DEVICE = 7
+    BELOW_MIN_SIZE = 8
+    NO_GATHER_KERNEL = 9
+    # Graph facts (gate only).
+    TRAINING_GRAPH = 20
+    MUTATING_GRAPH = 21
+    NOT_A_PARAMETER = 22
+    NOT_A_GRAPH_INPUT = 23
+    CAST_BEFORE_GATHER = 24
+    PAD_BEFORE_GATHER = 25
+    VIEW_OR_COPY = 26
+    UNEVEN_SHARD = 27
+    NOT_SHARD0 = 28
+    GATHER_OF_GATHER = 29
+    NO_SINGLE_WAIT = 30
+    NO_SHAPE = 31
+    # Placement and process-group facts (bind only).
+    PLACEMENT = 40
+    NO_GROUP = 41
+    GROUP_SIZE_MISMATCH = 42
+    FAKE_GROUP = 43
+    # Agreement (bind only).
+    DISAGREEMENT = 50
+    PEER_REFUSED = 51
+    # Anything a caller passes in as free text (a compile-time refusal read back at run
+    # time, say).
+    OTHER = 99
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A reason code and the sentence a person reads (``str()`` gives the sentence)."""
+
+    code: Reason
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def refusal(code: Reason, text: str) -> Refusal:
+    return Refusal(code, text)
+
+
+def shard_refusal(*, device_type: str, nbytes: int | None, numel: int | None, dim: int,
+                  contiguous: bool, group_size: int, cfg, kernel_refusal=None) -> Refusal | None:
+    """Why a shard with these facts cannot be bound into a window (None: it can).
+
+    ``nbytes``/``numel`` are None for a dynamic shape. ``kernel_refusal(device_type)`` (run
+    time only) says whether a gather kernel exists for the device (runtime/native.py).
+    """
+    if group_size < 2:
+        return refusal(Reason.GROUP_OF_ONE, "group of size 1: nothing to gather")
+    if nbytes is None or numel is None:
+        return refusal(Reason.DYNAMIC_SHAPE, "dynamic shard shape")
+    if dim < 1 or numel == 0:
+        return refusal(Reason.EMPTY, "empty or 0-d shard")
+    if not contiguous:
+        return refusal(Reason.NON_CONTIGUOUS, "non-contiguous shard")
+    if device_type == "cpu":
+        if not cfg.host_transport:
+            return refusal(Reason.HOST_TRANSPORT_OFF,
+                           "CPU tensor with the CUDA copy-engine transport (host transport off)")
+    elif device_type != "cuda":
+        return refusal(Reason.UNSUPPORTED_DEVICE, f"unsupported device {device_type}")
+    if nbytes < cfg.min_shard_bytes:
+        return refusal(Reason.BELOW_MIN_SIZE,
+                       f"shard below symm_min_shard_mib ({nbytes} B < {cfg.min_shard_bytes} B)")
+    if kernel_refusal is not None:
+        why = kernel_refusal(device_type)
+        if why is not None:
+            return why
+    return None
