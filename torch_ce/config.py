@@ -42,6 +42,11 @@ class Config:
     cost_mode: str = "calibrated"
     # Where the calibrated cost curves are cached ("" = ~/.cache/torch_ce).
     cost_cache_dir: str = ""
+    # The bind's exchanges (NOTE [bind rounds go through the store] in runtime/agreement.py):
+    # how long a rank waits for its peers at each step of a bind, and, at the first step,
+    # for peers that may still be compiling. A failure on a peer is seen at once.
+    bind_timeout_s: float = 30.0
+    bind_arrival_timeout_s: float = 600.0
 
     def validate(self) -> "Config":
         if self.transport not in TRANSPORTS:
@@ -56,6 +61,9 @@ class Config:
                      "prefetch_next_call_mib"):
             if getattr(self, name) < 0:
                 raise ValueError(f"torch_ce: {name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("bind_timeout_s", "bind_arrival_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"torch_ce: {name} must be > 0, got {getattr(self, name)!r}")
         if self.window_cap_mib <= 0:
             raise ValueError(f"torch_ce: window_cap_mib must be > 0, got {self.window_cap_mib!r}")
         if self.comm_overlap_window_scale <= 0:
@@ -87,9 +95,11 @@ class Config:
         return patch(**overrides)
 
     def cache_key(self) -> tuple:
-        """The values that change what the passes emit (cost_cache_dir does not)."""
+        """The values that change what the passes emit (the cache dir and the bind's
+        timeouts do not)."""
         d = dataclasses.asdict(self)
-        d.pop("cost_cache_dir")
+        for run_time_only in ("cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s"):
+            d.pop(run_time_only)
         return tuple(sorted(d.items()))
 
 

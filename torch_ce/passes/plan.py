@@ -12,7 +12,6 @@ import dataclasses
 import torch.fx as fx
 
 from ..config import Config
-from ..runtime.windows import WindowPool
 from .gate import Seed
 
 
@@ -56,8 +55,4 @@ def plan(seeds: list[Seed], cfg: Config, whole_graph_refused: bool = False) -> P
     for ps in shards.values():
         if not ps.reason:
             pools.setdefault((ps.group_name, ps.dtype), []).append(ps)
-    for key, members in pools.items():
-        placed = WindowPool(key, cfg.window_cap_bytes).plan_slots([m.nbytes for m in members])
-        for m, (wi, off, _) in zip(members, placed):
-            m.window, m.offset = wi, off
     return Plan(eligible, list(shards.values()), pools)

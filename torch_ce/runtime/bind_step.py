@@ -38,6 +38,7 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
         return
     from ..config import config
     from .binding import Candidate, bind_candidates, local_reason
+    from .eligibility import Reason, refusal
 
     resolve = torch._C._distributed_c10d._resolve_process_group
     cands = []
@@ -52,9 +53,9 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
                 "created). Run compiled graphs before destroying their process groups."
             ) from e
         # A compile-time refusal still takes part in the agreement (as refused).
-        reason = why or local_reason(t, pg, config.min_shard_bytes)
+        reason = refusal(Reason.OTHER, why) if why else local_reason(t, pg)
         if reason is None and pg.size() != gs:
-            reason = f"group size {pg.size()} != gather group size {gs}"
+            reason = refusal(Reason.GROUP_SIZE_MISMATCH, f"group size {pg.size()} != gather group size {gs}")
         cands.append(Candidate(name, t, pg, reason))
     res = bind_candidates(cands)
     from .. import report

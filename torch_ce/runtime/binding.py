@@ -1,23 +1,28 @@
 """Binding: move live weight shards into symmetric windows, once, agreed by every rank.
 
-# NOTE [agreement before anything moves]
-A gather retargeted on some ranks and not on others never completes (NCCL waits for a
-peer that is doing one-sided reads). So before anything moves, every rank of the agreeing
-group (each candidate's own group unless the caller names one) exchanges one descriptor
-per candidate shard, the locally refused ones included:
-(group ranks, shape, dtype, device type, local eligibility). Candidate i is bound only if
-every member of its group reports an identical, eligible descriptor at position i and the
-same number of candidates. Anything else is marked ``Fallback``: the CE ops gather such a
-shard through the group's collective backend, identically on every rank.
+A bind of one group (``_bind_unit``) runs these steps, every rank in lock step through the
+exchanges of one ``agreement.Round`` (NOTE [bind rounds go through the store]):
 
-After agreement: windows are opened per (group, dtype) pool (collective over that group),
-each shard is copied into its slot and the tensor re-pointed at the slot in place
-(``t.data = slot``: the parameter now views the window and its old storage is freed, so
-no weight exists twice), and one publish barrier makes every slot readable by peers.
+  1. agree    every rank's descriptors; refused or disputed candidates become
+              ``Fallback`` (NOTE [agreement before anything moves] in agreement.py)
+  2. layout   ``windows.place`` per pool; the ranks compare pool states and layouts
+  3. open     new windows (transport-specific; collective over the group)
+  4. move     each shard is copied into its slot and re-pointed there in place
+              (``t.data = slot``: the parameter views the window, its old storage is
+              freed, so no weight exists twice)
+  5. publish  one exchange: after it every slot is readable by every peer
+
+# NOTE [bind is exception-safe]
+Nothing is registered, and no pool grows, before step 5 succeeds everywhere. A failure on
+any rank (an exception, a timeout) posts an abort that every peer sees at its next
+exchange; each rank then rolls back what it did (moved shards go back to ordinary storage
+with their values, new windows are dropped) and raises ``BindError`` naming the failing
+rank. A rank that dies or hangs is caught by the exchange deadlines (``bind_timeout_s``).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import uuid
@@ -30,6 +35,8 @@ import torch.distributed as dist
 from ..config import config
 from . import native
 from . import windows as W
+from .agreement import BindError, Round, agree, descriptor
+from .eligibility import Reason, Refusal, refusal, shard_refusal
 
 log = logging.getLogger("torch_ce")
 
@@ -39,7 +46,7 @@ class Candidate:
     name: str
     tensor: torch.Tensor | None  # the local shard (what moves)
     group: Any  # ProcessGroup or None
-    reason: str | None = None  # why it cannot bind (None: locally eligible)
+    reason: Refusal | None = None  # why it cannot bind (None: locally eligible)
 
 
 @dataclasses.dataclass
@@ -65,28 +72,26 @@ class BindResult:
 # ---------------------------------------------------------------------------------------
 
 
-def local_reason(t: torch.Tensor, group, min_shard_bytes: int) -> str | None:
-    """Why this rank cannot bind ``t`` into a window of ``group`` (None: it can)."""
+def local_reason(t: torch.Tensor, group, min_shard_bytes: int | None = None) -> Refusal | None:
+    """Why this rank cannot bind ``t`` into a window of ``group`` (None: it can): the
+    gate's predicate (eligibility.shard_refusal) on the live shard, plus the kernels."""
     if group is None:
-        return "no process group (plain tensors need group=...)"
-    if dist.get_world_size(group) < 2:
-        return "group of size 1: nothing to gather"
-    if t.dim() < 1 or t.numel() == 0:
-        return "empty or 0-d shard"
-    if not t.is_contiguous():
-        return "non-contiguous shard"
-    if t.device.type == "cuda":
-        if not torch.cuda.is_available():
-            return "CUDA unavailable"
-    elif t.device.type == "cpu":
-        if not config.host_transport:
-            return "CPU tensor with the CUDA copy-engine transport (host transport off)"
-    else:
-        return f"unsupported device {t.device.type}"
-    nbytes = t.numel() * t.element_size()
-    if nbytes < min_shard_bytes:
-        return f"shard below symm_min_shard_mib ({nbytes} B)"
-    return None
+        return refusal(Reason.NO_GROUP, "no process group (plain tensors need group=...)")
+    cfg = config if min_shard_bytes is None else _MinBytes(config, min_shard_bytes)
+    return shard_refusal(
+        device_type=t.device.type, nbytes=t.numel() * t.element_size(), numel=t.numel(),
+        dim=t.dim(), contiguous=t.is_contiguous(), group_size=dist.get_world_size(group), cfg=cfg,
+        kernel_refusal=getattr(native, "kernel_refusal", None))
+
+
+class _MinBytes:
+    """The config with another ``min_shard_bytes`` (``bind(..., min_shard_mib=...)``)."""
+
+    def __init__(self, cfg, min_shard_bytes: int):
+        self._cfg, self.min_shard_bytes = cfg, min_shard_bytes
+
+    def __getattr__(self, name):
+        return getattr(self._cfg, name)
 
 
 def candidate_from_param(name: str, p: torch.Tensor, group, min_shard_bytes: int) -> Candidate:
@@ -104,65 +109,19 @@ def candidate_from_param(name: str, p: torch.Tensor, group, min_shard_bytes: int
         sharded = [d for d, pl in enumerate(placements) if pl.is_shard()]
         if len(sharded) != 1:
             what = "not sharded" if not sharded else f"Shard on {len(sharded)} mesh dims"
-            return Candidate(name, None, None, f"placement {placements}: {what}")
+            return Candidate(name, None, None, refusal(Reason.PLACEMENT, f"placement {placements}: {what}"))
         dim = sharded[0]
         if placements[dim] != Shard(0):
-            return Candidate(name, None, None, f"placement {placements[dim]}, not Shard(0)")
+            return Candidate(name, None, None, refusal(Reason.NOT_SHARD0, f"placement {placements[dim]}, not Shard(0)"))
         if not all(pl.is_replicate() for d, pl in enumerate(placements) if d != dim):
-            return Candidate(name, None, None, f"placement {placements}: not Replicate beside Shard(0)")
+            return Candidate(name, None, None, refusal(Reason.PLACEMENT, f"placement {placements}: not Replicate beside Shard(0)"))
         world = mesh.size(dim)
         if p.shape[0] % world:
-            return Candidate(name, None, None, f"uneven Shard(0) ({p.shape[0]} rows over {world})")
+            return Candidate(name, None, None, refusal(Reason.UNEVEN_SHARD, f"uneven Shard(0) ({p.shape[0]} rows over {world})"))
         pg = mesh.get_group(dim)
         local = p._local_tensor
         return Candidate(name, local, pg, local_reason(local, pg, min_shard_bytes))
     return Candidate(name, p, group, local_reason(p, group, min_shard_bytes))
-
-
-# ---------------------------------------------------------------------------------------
-# Agreement
-# ---------------------------------------------------------------------------------------
-
-
-def _descriptor(c: Candidate) -> tuple:
-    t = c.tensor
-    ranks = W.group_ranks_of(c.group) if c.group is not None else ()
-    if t is None:
-        return (ranks, None, None, None, c.reason or "ineligible")
-    return (ranks, tuple(t.shape), str(t.dtype), t.device.type, c.reason)
-
-
-def agree(cands: list[Candidate], agree_group) -> tuple[list[bool], list[str | None], str]:
-    """(agreed flag, refusal reason) per candidate, and a job token shared by all ranks."""
-    mine = [_descriptor(c) for c in cands]
-    token = uuid.uuid4().hex[:8]
-    gathered: list = [None] * dist.get_world_size(agree_group)
-    dist.all_gather_object(gathered, (dist.get_rank(), token, mine), group=agree_group)
-    by_rank = {r: lst for r, _, lst in gathered}
-    job = gathered[0][1]
-    agreed, reasons = [], []
-    for i, c in enumerate(cands):
-        d = mine[i]
-        if d[4] is not None:
-            agreed.append(False)
-            reasons.append(d[4])
-            continue
-        ok, why = True, None
-        for m in d[0]:
-            other = by_rank.get(m)
-            if other is None:
-                ok, why = False, f"rank {m} of the group did not take part in the agreement"
-            elif len(other) != len(mine):
-                ok, why = False, f"rank {m} has {len(other)} candidate shards, this rank {len(mine)}"
-            elif other[i][:4] != d[:4]:
-                ok, why = False, f"rank {m} disagrees on shard {i} ({other[i][:4]} vs {d[:4]})"
-            elif other[i][4] is not None:
-                ok, why = False, f"rank {m} refused it: {other[i][4]}"
-            if not ok:
-                break
-        agreed.append(ok)
-        reasons.append(None if ok else f"rank disagreement: {why}")
-    return agreed, reasons, job
 
 
 # ---------------------------------------------------------------------------------------
@@ -180,9 +139,10 @@ def _transport(device: torch.device):
     return host
 
 
-def _mark_fallback(c: Candidate, reason: str) -> None:
+def _mark_fallback(c: Candidate, why: Refusal) -> None:
     if c.tensor is not None and c.group is not None and c.tensor.numel():
-        W.register(c.tensor, W.Fallback(reason, c.group.group_name, weakref.ref(c.tensor)))
+        W.register(c.tensor, W.Fallback(str(why), c.group.group_name, weakref.ref(c.tensor),
+                                        int(why.code)))
 
 
 def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
@@ -206,7 +166,7 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
         elif isinstance(entry, W.Fallback):
             res.skipped[c.name] = entry.reason
         elif c.group is None and agree_group is None:
-            res.skipped[c.name] = c.reason or "no process group"
+            res.skipped[c.name] = str(c.reason or "no process group")
         else:
             pg = agree_group if agree_group is not None else c.group
             ranks = W.group_ranks_of(pg)
@@ -239,12 +199,12 @@ def _off_the_graph_pool(fn, device: torch.device):
     # NOTE [bind off the graph pool]
     Under CUDA-graph trees (``mode="reduce-overhead"``) a compiled graph's first run routes
     the allocations of the running thread into the graph's private pool, and the bind step
-    runs inside that first run. What a bind leaves allocated (the tensors of its agreement
-    collectives and publish barrier, which ProcessGroupNCCL keeps until its watchdog
-    retires the work) would sit in the pool untracked, and the trees refuse to record
-    ("tensors in the cudagraph pool not tracked as outputs"). From its own thread the bind
-    allocates from the ordinary caching allocator. Binding on a side stream of the same
-    thread did not help (run 8 in bench/results): the routing is by thread.
+    runs inside that first run. What a bind leaves allocated would sit in the pool
+    untracked, and the trees refuse to record ("tensors in the cudagraph pool not tracked
+    as outputs"). From its own thread the bind allocates from the ordinary caching
+    allocator. Binding on a side stream of the same thread did not help (run 8): the
+    routing is by thread. The bind is bounded (NOTE [bind is exception-safe]), so the join
+    is too.
     """
     caller = torch.cuda.current_stream(device)
     box: dict = {}
@@ -267,90 +227,154 @@ def _off_the_graph_pool(fn, device: torch.device):
     return box["result"]
 
 
+@dataclasses.dataclass
+class _PoolPlan:
+    key: tuple
+    pool: W.WindowPool
+    members: list[Candidate]
+    layout: W.Layout
+    new: list = dataclasses.field(default_factory=list)  # Windows opened by this bind
+
+
 def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
-    """Agree over ``agree_pg``, open windows, move, publish (NOTE at the top)."""
+    """Agree, place, open, move, publish over ``agree_pg`` (the module docstring)."""
     if dist.get_world_size(agree_pg) < 2:
         for c in todo:
-            res.skipped[c.name] = c.reason or "group of size 1: nothing to gather"
+            res.skipped[c.name] = str(c.reason or "group of size 1: nothing to gather")
         return
     if dist.get_backend(agree_pg) == "fake":
         # A fake process group has no peers whose windows could be read.
         for c in todo:
-            res.skipped[c.name] = "fake process group: no peers to read from"
-            _mark_fallback(c, res.skipped[c.name])
-        return
-
-    agreed, reasons, job = agree(todo, agree_pg)
-    chosen: list[Candidate] = []
-    for c, ok, why in zip(todo, agreed, reasons):
-        if ok:
-            chosen.append(c)
-        else:
-            res.skipped[c.name] = why
+            why = refusal(Reason.FAKE_GROUP, "fake process group: no peers to read from")
+            res.skipped[c.name] = str(why)
             _mark_fallback(c, why)
-    if not chosen:
         return
+    ranks = W.group_ranks_of(agree_pg)
+    rnd = Round(ranks, dist.get_rank(), config.bind_timeout_s, config.bind_arrival_timeout_s)
+    plans: list[_PoolPlan] = []
+    moved: list[tuple[Candidate, torch.Tensor]] = []
+    try:
+        # 1. agree
+        mine = [descriptor(c) for c in todo]
+        everyone = rnd.exchange("agree", {"cands": mine, "token": uuid.uuid4().hex[:8]})
+        verdicts = agree(todo, mine, {r: v["cands"] for r, v in everyone.items()})
+        job = everyone[min(everyone)]["token"]
+        chosen = []
+        for c, why in zip(todo, verdicts):
+            if why is None:
+                chosen.append(c)
+            else:
+                res.skipped[c.name] = str(why)
+                _mark_fallback(c, why)
+        if not chosen:
+            return
+        # 2. layout: one rule (windows.place), compared across ranks
+        by_pool: dict[tuple, list[Candidate]] = {}
+        for c in chosen:
+            key = W.pool_key(W.group_ranks_of(c.group), c.tensor.dtype, c.tensor.device)
+            by_pool.setdefault(key, []).append(c)
+        for key, members in by_pool.items():
+            pool = W.get_pool(key)
+            sizes = [m.tensor.numel() * m.tensor.element_size() for m in members]
+            plans.append(_PoolPlan(key, pool, members, W.place(pool.state(), sizes, config.window_cap_bytes)))
+        W.check_window_limit(sum(len(p.layout.new_windows) for p in plans))
+        layout = json.loads(json.dumps([[p.key, p.pool.state(), p.layout.digest()] for p in plans]))
+        others = rnd.exchange("layout", layout)
+        differ = sorted(r for r, v in others.items() if v != layout)
+        if differ:
+            log.warning("torch_ce.bind: window layouts differ on ranks %s (pools bound "
+                        "differently before?); these shards stay on the collective", differ)
+            why = refusal(Reason.DISAGREEMENT, f"rank disagreement: window layout differs on ranks {differ}")
+            for c in chosen:
+                res.skipped[c.name] = str(why)
+                _mark_fallback(c, why)
+            return
+        # 3. open
+        for i, p in enumerate(plans):
+            p.new = _open_windows(p, rnd, f"{i}", job)
+        # 4. move
+        slots = _slots(plans)
+        _move_into_slots(slots, moved)
+        if any(s.window.device.type == "cuda" for _, s in slots):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the shards' old blocks go back: no weight held twice
+        # 5. publish: after this exchange every slot is readable by every peer
+        rnd.exchange("moved", True)
+    except BaseException as e:
+        if not isinstance(e, BindError):
+            rnd.abort(f"{type(e).__name__}: {e}")
+        _roll_back(moved)
+        if isinstance(e, BindError):
+            raise
+        raise BindError(f"torch_ce: bind failed on rank {dist.get_rank()} (this rank): "
+                        f"{type(e).__name__}: {e}") from e
+    for p in plans:
+        W.add_windows(p.pool, p.new)
+        res.windows_opened += len(p.new)
+    for c, slot in slots:
+        slot.window.used = max(slot.window.used, slot.offset + W.align_up(slot.nbytes))
+        _transport(slot.window.device).publish_slot(slot)
+        W.register(c.tensor, slot)
+        res.bound.append(c.name)
+        res.bytes_bound += slot.nbytes
+    if config.cost_mode == "calibrated":
+        _calibrate(max((s for _, s in slots), key=lambda s: s.window.nbytes))
 
-    # Plan per pool, in order of first appearance (identical on every group member).
-    by_pool: dict[tuple, list[Candidate]] = {}
-    for c in chosen:
-        key = W.pool_key(W.group_ranks_of(c.group), c.tensor.dtype, c.tensor.device)
-        by_pool.setdefault(key, []).append(c)
-    slots: list[tuple[Candidate, W.Slot]] = []
-    for key, members in by_pool.items():
-        pool = W.get_pool(key, config.window_cap_bytes)
-        placed = pool.plan_slots([m.tensor.numel() * m.tensor.element_size() for m in members])
-        n_new = placed[-1][0] + 1
-        W.reserve_windows(n_new)
-        group, device = members[0].group, members[0].tensor.device
-        new = []
-        for k in range(n_new):
-            nbytes = sum(W.align_up(nb) for (wi, _, nb) in placed if wi == k)
-            new.append(W.Window(key, len(pool.windows) + k, nbytes, group, key[0],
-                                dist.get_rank(group), device, torch.empty(0, dtype=torch.uint8),
-                                used=nbytes))
-        tr = _transport(device)
-        if device.type == "cuda":
-            tr.open_windows(new)
-        else:
-            tr.open_windows(new, job)
-        for w in new:
-            W.add_window(pool, w)
-        res.windows_opened += n_new
-        for m, (wi, off, nb) in zip(members, placed):
-            slots.append((m, W.Slot(new[wi], off, nb, tuple(m.tensor.shape), m.tensor.dtype, m.name)))
 
-    # Move each shard into its slot in place; the old storage is released.
+def _open_windows(p: _PoolPlan, rnd: Round, tag: str, job: str) -> list:
+    """Open the windows ``p.layout`` asks for (collective over the group)."""
+    if not p.layout.new_windows:
+        return []
+    device, group = p.members[0].tensor.device, p.members[0].group
+    new = [W.Window(p.key, len(p.pool.windows) + k, nbytes, group, p.key[0], dist.get_rank(group),
+                    device, torch.empty(0, dtype=torch.uint8))
+           for k, nbytes in enumerate(p.layout.new_windows)]
+    _transport(device).open_windows(new, rnd, tag, job)
+    return new
+
+
+def _slots(plans: list[_PoolPlan]) -> list[tuple[Candidate, W.Slot]]:
+    out = []
+    for p in plans:
+        windows = p.pool.windows + p.new
+        for m, (wi, off) in zip(p.members, p.layout.places):
+            t = m.tensor
+            out.append((m, W.Slot(windows[wi], off, t.numel() * t.element_size(), tuple(t.shape),
+                                  t.dtype, m.name)))
+    return out
+
+
+def _move_into_slots(slots: list[tuple[Candidate, W.Slot]], moved: list) -> None:
+    """Copy each shard into its slot and re-point it there; ``moved`` records what moved
+    (with the slot view) so a failure can put it back."""
     with torch.no_grad():
         for c, slot in slots:
             view = _transport(slot.window.device).slot_local_view(slot)
             view.copy_(c.tensor)
             c.tensor.data = view
-            res.bound.append(c.name)
-            res.bytes_bound += slot.nbytes
-    if any(s.window.device.type == "cuda" for _, s in slots):
-        torch.cuda.synchronize()
-        # Hand the shards' old blocks back to the driver: no weight held twice.
-        torch.cuda.empty_cache()
-    # One publish barrier: after it every slot is readable by every peer.
-    dist.barrier(group=agree_pg)
-    for c, slot in slots:
-        _transport(slot.window.device).publish_slot(slot)
-        W.register(c.tensor, slot)
-        if slot.window.device.type == "cuda" and native.loaded():
-            native.register_slot(slot)  # the C++ kernels' mirror of the registry
-    if config.cost_mode == "calibrated":
-        _calibrate(max((s for _, s in slots), key=lambda s: s.window.nbytes))
+            moved.append((c, view))
+
+
+def _roll_back(moved: list[tuple[Candidate, torch.Tensor]]) -> None:
+    """Put moved shards back on ordinary storage, values kept (NOTE [bind is exception-safe])."""
+    with torch.no_grad():
+        for c, view in reversed(moved):
+            try:
+                c.tensor.data = view.clone()
+            except Exception as e:  # noqa: BLE001 (report, keep rolling back the others)
+                log.error("torch_ce.bind: could not restore %s after a failed bind: %s", c.name, e)
+        if any(v.is_cuda for _, v in moved):
+            torch.cuda.synchronize()
 
 
 def _calibrate(slot: W.Slot) -> None:
     """Time wait(launch()) on the fresh windows for the reorder's cost curve (local only)."""
-    from . import calibration as cost
+    from . import calibration
 
     try:
-        cost.calibrate(slot)
+        calibration.calibrate(slot)
         if slot.window.device.type == "cuda":
-            cost.measure_peaks(slot.window.device)
+            calibration.measure_peaks(slot.window.device)
     except Exception as e:  # calibration is an optimisation: never fail a bind for it
         log.warning("torch_ce: cost calibration failed (%s); using the default curve", e)
 

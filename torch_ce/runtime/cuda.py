@@ -59,20 +59,24 @@ class CopyEngineWork(Work):
         return self.event.query()
 
 
-def open_windows(windows: list[Window]) -> None:
-    """Allocate and rendezvous one symmetric buffer per window (collective over the group)."""
+def open_windows(windows: list[Window], rnd, tag: str, job: str) -> None:  # noqa: ARG001
+    """Allocate every window, agree that all ranks could, then rendezvous each (collective
+    over the group). An allocation failure (out of memory) is thus seen by every rank at
+    the exchange instead of leaving its peers inside a rendezvous."""
     import torch.distributed._symmetric_memory as symm_mem
 
+    bufs = []
     for w in windows:
-        name = w.group.group_name
         try:  # needed on older torch; deprecated (a warning) or absent on newer
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                symm_mem.enable_symm_mem_for_group(name)
+                symm_mem.enable_symm_mem_for_group(w.group.group_name)
         except Exception:
             pass
-        buf = symm_mem.empty(max(w.nbytes, 1), dtype=torch.uint8, device=w.device)
-        hdl = symm_mem.rendezvous(buf, name)
+        bufs.append(symm_mem.empty(max(w.nbytes, 1), dtype=torch.uint8, device=w.device))
+    rnd.exchange(f"cuda-allocated{tag}", True)
+    for w, buf in zip(windows, bufs):
+        hdl = symm_mem.rendezvous(buf, w.group.group_name)
         w.local = buf
         w.handle = hdl
         # The buffer may sit at an offset inside a pooled symmetric allocation; the offset

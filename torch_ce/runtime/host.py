@@ -4,8 +4,8 @@ On machines without GPUs this runs the same one-sided protocol as the copy-engin
 transport (same pools, offsets, registry and bind step) on CPU tensors, so CI exercises
 the whole pipeline with several gloo processes. It is a real transport, not a mock.
 
-Each rank creates ``/dev/shm/torch_ce_<job>_<group>_<dtype>_<n>_r<rank>``; after a group
-barrier every rank maps its peers' segments, and after a second barrier the names are
+Each rank creates ``/dev/shm/torch_ce_<job>_<group>_<dtype>_<n>_r<rank>``; after one
+exchange every rank maps its peers' segments, and after a second the names are
 unlinked: the mappings live on, and nothing of ours is left in /dev/shm even if the job
 dies later.
 """
@@ -15,8 +15,6 @@ import mmap
 import os
 
 import torch
-import torch.distributed as dist
-
 from .windows import Slot, Window
 
 SHM_DIR = "/dev/shm"
@@ -39,21 +37,21 @@ def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
-def open_windows(windows: list[Window], job: str) -> None:
-    """Create this rank's segments, map every peer's, unlink the names (collective)."""
+def open_windows(windows: list[Window], rnd, tag: str, job: str) -> None:
+    """Create this rank's segments, map every peer's, unlink the names (collective: two
+    exchanges of the bind's round, NOTE [bind rounds go through the store])."""
     if not windows:
         return
-    group = windows[0].group
     mine = []
-    for w in windows:
-        name = segment_name(job, w.group_ranks, w.pool_key[1], w.index, w.rank)
-        path = os.path.join(SHM_DIR, name)
-        mm = _map(path, max(w.nbytes, 1), create=True)
-        mine.append(path)
-        w.local = torch.frombuffer(mm, dtype=torch.uint8, count=w.nbytes) if w.nbytes else torch.empty(0, dtype=torch.uint8)
-        w.handle = [mm]
     try:
-        dist.barrier(group=group)
+        for w in windows:
+            name = segment_name(job, w.group_ranks, w.pool_key[1], w.index, w.rank)
+            path = os.path.join(SHM_DIR, name)
+            mm = _map(path, max(w.nbytes, 1), create=True)
+            mine.append(path)
+            w.local = torch.frombuffer(mm, dtype=torch.uint8, count=w.nbytes) if w.nbytes else torch.empty(0, dtype=torch.uint8)
+            w.handle = [mm]
+        rnd.exchange(f"host-created{tag}", True)
         for w in windows:
             w.peer_locals = []
             for r in range(w.group_size):
@@ -64,7 +62,7 @@ def open_windows(windows: list[Window], job: str) -> None:
                 mm = _map(os.path.join(SHM_DIR, name), max(w.nbytes, 1), create=False)
                 w.handle.append(mm)
                 w.peer_locals.append(torch.frombuffer(mm, dtype=torch.uint8, count=w.nbytes))
-        dist.barrier(group=group)
+        rnd.exchange(f"host-mapped{tag}", True)
     finally:
         for path in mine:
             try:

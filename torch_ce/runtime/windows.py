@@ -1,21 +1,41 @@
-"""Symmetric windows: pools per (process group, dtype), slots, and the bound-shard registry.
+"""Symmetric windows: pools per (process group, dtype), the one layout rule, and the
+bound-shard registry.
 
 # NOTE [symmetric layout]
 Every rank of a group binds the same shards in the same order with the same sizes (the
-agreement in ``binding.py`` guarantees it), and ``plan_slots`` is a pure function of
-(pool state, sizes). So a shard sits at the same (window, offset) on every rank, and a
-peer's copy of it is simply ``peer_base + offset``: no address exchange per shard.
+agreement in ``agreement.py`` checks it), and ``place`` is a pure function of (the pool's
+windows and fill, the sizes, the cap). So a shard sits at the same (window, offset) on
+every rank, and a peer's copy of it is ``peer_base + offset``: no address exchange per
+shard. ``place`` is the only place the layout is decided; the agreement compares its
+result across ranks before anything moves.
 
+# NOTE [windows that pool]
+A model compiled into many graphs (graph breaks, recompiles for new shapes) binds once per
+graph. Each bind first fills the free tails of its pool's windows (first fit, in window
+order), and only the shards that fit nowhere open new windows. A new window is sized
+``max(what it must hold, GROWTH x the pool's reserved bytes, MIN_WINDOW_BYTES)``, capped at
+the cap (a shard larger than the cap gets a window of exactly its size). So:
+- a first bind of a whole model opens windows sized to what it holds (as before);
+- later small binds land in the free tails; the pool grows geometrically, so a pool of
+  R reserved bytes has at most ``log(R / MIN_WINDOW_BYTES) / log(1 + GROWTH) + 1 +
+  R / cap`` windows (200 graphs of small weights: one or two windows);
+- free bytes never exceed ``max(MIN_WINDOW_BYTES, GROWTH x reserved)`` in the newest
+  window, plus tails shorter than the shard that did not fit them in older ones.
 Slots start on 512-byte boundaries (peak copy-engine throughput; Inductor also assumes
-16-byte-aligned parameters). A window holds at most ``window_cap`` bytes; a shard larger
-than the cap gets a window of its own. The driver allows at most 128 symmetric windows per
-process, so shards are pooled, never one window per weight.
+16-byte-aligned parameters). The driver allows at most 128 symmetric windows per process.
+
+# NOTE [window lifetime]
+``release_all()`` forgets every binding, but a window whose shards are still held by live
+tensors (the parameters view it) stays allocated and counted until the last of them dies;
+only then is it freed. CUDA views of a window do not own its memory (symmetric memory's
+``get_buffer``), so the window must outlive them.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -25,6 +45,8 @@ log = logging.getLogger("torch_ce")
 
 SLOT_ALIGN = 512
 MAX_WINDOWS_PER_PROCESS = 128
+MIN_WINDOW_BYTES = 8 * 2**20
+GROWTH = 0.25
 
 
 def align_up(n: int, a: int = SLOT_ALIGN) -> int:
@@ -47,11 +69,15 @@ class Window:
     peer_locals: list = dataclasses.field(default_factory=list)  # uint8 views (host)
     peer_base_ptrs: list = dataclasses.field(default_factory=list)  # ints (cuda)
     base_offset: int = 0  # bytes from the symmetric allocation's base to this window (cuda)
-    used: int = 0
+    used: int = 0  # bytes filled from the start (slots are never freed one by one)
 
     @property
     def group_size(self) -> int:
         return len(self.group_ranks)
+
+    @property
+    def free(self) -> int:
+        return self.nbytes - self.used
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,9 +91,10 @@ class Slot:
     dtype: torch.dtype
     name: str = ""
     # Per peer (group-rank order): a typed view of that rank's copy (host transport) or
-    # its device address (CUDA transport). Filled when the window is published.
+    # its device address (CUDA transport). Filled when the slot is published.
     peer_views: list = dataclasses.field(default_factory=list)
     peer_ptrs: list = dataclasses.field(default_factory=list)
+    ref: Any = None  # weakref to the bound tensor (NOTE [window lifetime])
 
     @property
     def group_size(self) -> int:
@@ -81,32 +108,91 @@ class Fallback:
     reason: str
     group_name: str
     ref: Any = None  # weakref to the tensor: a freed tensor's address may be reused
+    code: int = 0  # eligibility.Reason of the refusal
 
 
 class WindowPool:
-    """The windows of one (process group, dtype); ``plan_slots`` places shards in them."""
+    """The windows of one (process group ranks, dtype, device type)."""
 
-    def __init__(self, key: tuple, cap_bytes: int):
+    def __init__(self, key: tuple):
         self.key = key
-        self.cap_bytes = cap_bytes
         self.windows: list[Window] = []
 
-    def plan_slots(self, sizes: list[int]) -> list[tuple[int, int, int]]:
-        """(new_window_number, offset, nbytes) per shard, in order, plus new window sizes.
+    @property
+    def reserved(self) -> int:
+        return sum(w.nbytes for w in self.windows)
 
-        Fresh windows are opened for each bind (sized to what they hold, capped), so the
-        layout depends only on the sizes: identical on every rank.
-        """
-        placed, cur_n, cur_used = [], 0, 0
-        for nbytes in sizes:
-            need = align_up(nbytes)
-            if cur_used and cur_used + need > self.cap_bytes:
-                cur_n, cur_used = cur_n + 1, 0
-            placed.append((cur_n, cur_used, nbytes))
-            cur_used += need
-            if cur_used >= self.cap_bytes:  # an over-cap shard sits alone
-                cur_n, cur_used = cur_n + 1, 0
-        return placed
+    @property
+    def used(self) -> int:
+        return sum(w.used for w in self.windows)
+
+    def state(self) -> list[tuple[int, int]]:
+        """(nbytes, used) per window: what ``place`` depends on (agreed across ranks)."""
+        return [(w.nbytes, w.used) for w in self.windows]
+
+
+@dataclasses.dataclass
+class Layout:
+    """Where a bind puts its shards: ``(window index, offset)`` per shard, in order, and
+    the sizes of the windows to open (their indices follow the pool's)."""
+
+    places: list[tuple[int, int]]
+    new_windows: list[int]
+
+    def digest(self) -> list:
+        return [list(map(list, self.places)), list(self.new_windows)]
+
+
+def place(state: list[tuple[int, int]], sizes: list[int], cap: int) -> Layout:
+    """The layout rule (NOTE [symmetric layout], NOTE [windows that pool]).
+
+    ``state``: (nbytes, used) of the pool's windows; ``sizes``: shard bytes in bind order.
+    Pure: the same inputs give the same layout on every rank.
+    """
+    fill = [used for _, used in state]
+    caps = [nbytes for nbytes, _ in state]
+    reserved = sum(caps)
+    places: list[tuple[int, int] | None] = [None] * len(sizes)
+    pending: list[int] = []
+    for i, nbytes in enumerate(sizes):
+        need = align_up(nbytes)
+        for w in range(len(caps)):
+            if fill[w] + need <= caps[w]:
+                places[i] = (w, fill[w])
+                fill[w] += need
+                break
+        else:
+            pending.append(i)
+    new: list[int] = []
+    k = 0
+    while k < len(pending):
+        first = align_up(sizes[pending[k]])
+        if first >= cap:  # an over-cap shard sits alone, in a window of exactly its size
+            size, take = first, 1
+        else:
+            total, take = 0, 0
+            while k + take < len(pending) and total + align_up(sizes[pending[k + take]]) <= cap:
+                total += align_up(sizes[pending[k + take]])
+                take += 1
+            size = min(cap, max(total, int(GROWTH * reserved), MIN_WINDOW_BYTES))
+        w = len(caps)
+        caps.append(size)
+        fill.append(0)
+        new.append(size)
+        reserved += size
+        for j in pending[k:k + take]:
+            places[j] = (w, fill[w])
+            fill[w] += align_up(sizes[j])
+        k += take
+    return Layout([p for p in places if p is not None], new)
+
+
+def window_bound(reserved: int, cap: int) -> int:
+    """The most windows a pool of ``reserved`` bytes can hold (NOTE [windows that pool])."""
+    import math
+
+    grow = math.log(max(reserved, MIN_WINDOW_BYTES) / MIN_WINDOW_BYTES) / math.log(1 + GROWTH)
+    return int(grow) + 1 + reserved // cap + 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -116,7 +202,8 @@ class WindowPool:
 _lock = threading.RLock()
 _pools: dict[tuple, WindowPool] = {}
 _registry: dict[int, Slot | Fallback] = {}
-_window_count = 0
+_retired: dict[int, Window] = {}  # id -> window still viewed by live tensors after release
+_mirrors: list[Callable[[Slot], None]] = []  # registry mirrors (the C++ kernels' index)
 
 
 def pool_key(group_ranks: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -124,16 +211,37 @@ def pool_key(group_ranks: tuple, dtype: torch.dtype, device: torch.device) -> tu
     return (group_ranks, str(dtype).replace("torch.", ""), device.type)
 
 
-def get_pool(key: tuple, cap_bytes: int) -> WindowPool:
+def get_pool(key: tuple) -> WindowPool:
     with _lock:
         if key not in _pools:
-            _pools[key] = WindowPool(key, cap_bytes)
-        _pools[key].cap_bytes = cap_bytes  # new windows follow the current config
+            _pools[key] = WindowPool(key)
         return _pools[key]
 
 
 def pools() -> dict[tuple, WindowPool]:
     return dict(_pools)
+
+
+def open_count() -> int:
+    """Windows this process holds: in pools, plus released ones still viewed."""
+    with _lock:
+        return sum(len(p.windows) for p in _pools.values()) + len(_retired)
+
+
+def check_window_limit(n_new: int) -> None:
+    have = open_count()
+    if have + n_new > MAX_WINDOWS_PER_PROCESS:
+        raise RuntimeError(
+            f"torch_ce: opening {n_new} more symmetric windows would exceed the driver's "
+            f"limit of {MAX_WINDOWS_PER_PROCESS} per process ({have} open, released ones "
+            "still viewed by live tensors included); raise window_cap_mib, or drop models "
+            "bound earlier and call torch_ce.release_all()"
+        )
+
+
+def add_windows(pool: WindowPool, windows: list[Window]) -> None:
+    with _lock:
+        pool.windows.extend(windows)
 
 
 def lookup(t: torch.Tensor) -> Slot | Fallback | None:
@@ -150,29 +258,26 @@ def lookup(t: torch.Tensor) -> Slot | Fallback | None:
 
 
 def register(t: torch.Tensor, entry: Slot | Fallback) -> None:
+    """The registry's only writer: records ``t`` and mirrors a slot to every mirror."""
     with _lock:
+        if isinstance(entry, Slot):
+            entry.ref = weakref.ref(t)
+            for fn in _mirrors:
+                fn(entry)
         _registry[t.data_ptr()] = entry
+
+
+def add_mirror(fn: Callable[[Slot], None]) -> None:
+    """Call ``fn(slot)`` for every slot registered from now on (the C++ kernels' index)."""
+    _mirrors.append(fn)
 
 
 def bound_slots() -> list[Slot]:
     return [e for e in _registry.values() if isinstance(e, Slot)]
 
 
-def reserve_windows(n: int) -> None:
-    global _window_count
-    with _lock:
-        if _window_count + n > MAX_WINDOWS_PER_PROCESS:
-            raise RuntimeError(
-                f"torch_ce: opening {n} more symmetric windows would exceed the driver's "
-                f"limit of {MAX_WINDOWS_PER_PROCESS} per process ({_window_count} open); "
-                "raise window_cap_mib so shards share windows"
-            )
-        _window_count += n
-
-
-def add_window(pool: WindowPool, w: Window) -> None:
-    with _lock:
-        pool.windows.append(w)
+def slot_of_name(name: str) -> Slot | None:
+    return next((s for s in bound_slots() if s.name == name), None)
 
 
 _teardown_hooks: list[Callable[[], None]] = []
@@ -182,22 +287,44 @@ def on_release(fn: Callable[[], None]) -> None:
     _teardown_hooks.append(fn)
 
 
-def release_all() -> None:
-    """Forget every pool, window and binding (teardown; bound parameters keep their data).
+def _retire(w: Window, live: list[torch.Tensor]) -> None:
+    """Keep ``w`` (and count it) until every tensor in ``live`` is gone."""
+    key = id(w)
+    _retired[key] = w
+    left = [len(live)]
 
-    Window memory is freed when the last tensor viewing it dies; shared-memory names are
-    already unlinked at publish time, so nothing of ours stays in /dev/shm.
-    """
-    global _window_count
+    def one_gone():
+        with _lock:
+            left[0] -= 1
+            if left[0] == 0:
+                _retired.pop(key, None)
+
+    for t in live:
+        weakref.finalize(t, one_gone)
+
+
+def release_all() -> None:
+    """Forget every pool and binding (teardown). Call ``torch.cuda.synchronize()`` and a
+    barrier first so no peer is still reading. Windows still viewed by live parameters stay
+    allocated (and counted) until those die (NOTE [window lifetime]); shared-memory names
+    are unlinked at open time, so nothing of ours stays in /dev/shm."""
     with _lock:
         for fn in list(_teardown_hooks):
             try:
                 fn()
             except Exception as e:  # teardown must not mask the caller's exception
                 log.warning("torch_ce: teardown hook failed: %s", e)
+        by_window: dict[int, list[torch.Tensor]] = {}
+        for s in bound_slots():
+            t = s.ref() if s.ref is not None else None
+            if t is not None:
+                by_window.setdefault(id(s.window), []).append(t)
+        for pool in _pools.values():
+            for w in pool.windows:
+                if id(w) in by_window:
+                    _retire(w, by_window[id(w)])
         _pools.clear()
         _registry.clear()
-        _window_count = 0
 
 
 def group_ranks_of(group) -> tuple:

@@ -1,0 +1,164 @@
+"""The bind's cross-rank exchanges: agreement, layout check, publish; bounded and fail-fast.
+
+# NOTE [agreement before anything moves]
+A gather retargeted on some ranks and not on others never completes (NCCL waits for a
+peer that is doing one-sided reads). So before anything moves, every rank of the group
+exchanges one descriptor per candidate shard, the locally refused ones included:
+(group ranks, shape, dtype, device type, refusal code and text). Candidate i is bound only
+if every member reports an identical, eligible descriptor at position i and the same
+number of candidates; anything else is marked ``Fallback`` and gathered through the
+group's collective backend, identically on every rank. Then each rank computes the
+layout (``windows.place``) and the ranks compare it before any window opens.
+
+# NOTE [bind rounds go through the store]
+The exchanges use the default process group's key-value store, not collectives:
+- bounded: every wait has a deadline (``bind_timeout_s``; ``bind_arrival_timeout_s`` for
+  the first exchange, which also waits for peers still compiling), and a rank that fails
+  posts an abort key that its peers see at their next poll, so every rank raises, naming
+  the failing rank, instead of one rank waiting forever in a collective;
+- safe: a peer's bytes are parsed as JSON, never unpickled (``all_gather_object`` would
+  unpickle them, and needs numpy, which the CPU torch wheel does not bring);
+- off the GPU: no tensor is allocated, so the bind leaves nothing in a CUDA graph's pool,
+  and an NCCL group's stream is not involved.
+Keys are ``torch_ce/bind/<group ranks>/<round>/<phase>/<rank>``; a round number counts
+this group's binds, which every member runs in the same order.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+_POLL_S = (0.0005, 0.05)  # first and longest sleep between polls
+
+_rounds: dict[tuple, int] = {}  # (store id, group ranks) -> binds run
+
+
+class BindError(RuntimeError):
+    """A bind failed on some rank; raised on every rank of the group."""
+
+
+def _store():
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
+class Round:
+    """One bind of one group: named exchanges of bytes between its ranks.
+
+    ``exchange(phase, payload)`` posts this rank's payload and returns every member's,
+    by global rank. ``abort(message)`` makes every member's current or next exchange raise
+    ``BindError`` with ``message``.
+    """
+
+    def __init__(self, group_ranks: tuple, rank: int, timeout_s: float, arrival_timeout_s: float):
+        self.store = _store()
+        self.ranks = group_ranks
+        self.rank = rank  # this process's global rank
+        key = (id(self.store), group_ranks)
+        _rounds[key] = n = _rounds.get(key, 0) + 1
+        self.prefix = f"torch_ce/bind/{'-'.join(map(str, group_ranks))}/{n}"
+        self.timeout_s = timeout_s
+        self.arrival_timeout_s = arrival_timeout_s
+        self.phases = 0
+
+    def _key(self, phase: str, rank: int) -> str:
+        return f"{self.prefix}/{phase}/{rank}"
+
+    def abort(self, message: str) -> None:
+        """Tell every member this bind failed here (best effort: never raises)."""
+        try:
+            self.store.set(self._key("abort", self.rank), message.encode())
+        except Exception:  # noqa: BLE001 (the store may be gone with the job)
+            pass
+
+    def _aborted(self) -> tuple[int, str] | None:
+        for r in self.ranks:
+            k = self._key("abort", r)
+            if self.store.check([k]):
+                return r, self.store.get(k).decode(errors="replace")
+        return None
+
+    def exchange(self, phase: str, payload: Any) -> dict[int, Any]:
+        """Post ``payload`` (JSON-able) and return every member's, by global rank."""
+        self.phases += 1
+        timeout = self.arrival_timeout_s if self.phases == 1 else self.timeout_s
+        self.store.set(self._key(phase, self.rank), json.dumps(payload).encode())
+        waiting = [r for r in self.ranks if r != self.rank]
+        got = {self.rank: payload}
+        deadline = time.monotonic() + timeout
+        sleep = _POLL_S[0]
+        while waiting:
+            waiting = [r for r in waiting if not self.store.check([self._key(phase, r)])]
+            for r in self.ranks:
+                if r not in got and r not in waiting:
+                    got[r] = json.loads(self.store.get(self._key(phase, r)).decode())
+            if not waiting:
+                break
+            failed = self._aborted()
+            if failed is not None:
+                raise BindError(f"torch_ce: bind failed on rank {failed[0]}: {failed[1]}")
+            if time.monotonic() > deadline:
+                what = "bind_arrival_timeout_s" if self.phases == 1 else "bind_timeout_s"
+                msg = (f"torch_ce: rank(s) {waiting} of group {list(self.ranks)} did not reach "
+                       f"the bind's '{phase}' step within {timeout:g} s ({what}; a rank that "
+                       "crashed, hangs, or runs other graphs than its peers?)")
+                self.abort(f"rank {self.rank} timed out: {msg}")
+                raise BindError(msg)
+            time.sleep(sleep)
+            sleep = min(sleep * 2, _POLL_S[1])
+        failed = self._aborted()
+        if failed is not None:
+            raise BindError(f"torch_ce: bind failed on rank {failed[0]}: {failed[1]}")
+        return got
+
+
+def descriptor(c) -> list:
+    """What a rank says about one candidate (JSON: rank-independent facts only)."""
+    from .windows import group_ranks_of
+
+    ranks = list(group_ranks_of(c.group)) if c.group is not None else []
+    t = c.tensor
+    code = int(c.reason.code) if c.reason is not None else 0
+    text = str(c.reason) if c.reason is not None else ""
+    if t is None:
+        return [ranks, None, None, None, code or 99, text or "ineligible"]
+    return [ranks, list(t.shape), str(t.dtype), t.device.type, code, text]
+
+
+def agree(cands: list, mine: list, everyone: dict[int, list]) -> list:
+    """Per candidate: None (agreed) or the Refusal that keeps it on the collective."""
+    from .eligibility import Reason, refusal
+
+    out = []
+    for i, c in enumerate(cands):
+        d = mine[i]
+        if d[4]:
+            out.append(c.reason)
+            continue
+        why = None
+        for m in d[0]:
+            other = everyone.get(m)
+            if other is None:
+                why = refusal(Reason.DISAGREEMENT, f"rank disagreement: rank {m} of the group "
+                              "did not take part in the agreement")
+            elif len(other) != len(mine):
+                why = refusal(Reason.DISAGREEMENT, f"rank disagreement: rank {m} has {len(other)} "
+                              f"candidate shards, this rank {len(mine)}")
+            elif other[i][:4] != d[:4]:
+                why = refusal(Reason.DISAGREEMENT, f"rank disagreement: rank {m} disagrees on "
+                              f"shard {i} ({other[i][:4]} vs {d[:4]})")
+            elif other[i][4]:
+                why = refusal(Reason.PEER_REFUSED, f"rank disagreement: rank {m} refused it: "
+                              f"{other[i][5]}")
+            if why is not None:
+                break
+        out.append(why)
+    return out
+
+
+def global_rank() -> int:
+    return dist.get_rank()
