@@ -56,7 +56,7 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
         return None
     rec = report.new_graph(config.transport)
     refused_whole = gate_mod.graph_reason(graph, is_inference)
-    p = plan_mod.plan(seeds, config, whole_graph_refused=refused_whole is not None)
+    p = plan_mod.plan(seeds, whole_graph_refused=refused_whole is not None)
     bind_node = rewrite_mod.rewrite(graph, p)
     buckets = [] if refused_whole else bucket_mod.bucket(graph, seeds, config)
     pf_node, pf_what = prefetch_mod.insert_prefetch(graph, buckets, config)
@@ -65,11 +65,9 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
                             what=pf_what)
     for s in seeds:
         if s.eligible:
-            ps = next(x for x in p.shards if x.node is s.shard)
-            rec.bound.append(dict(name=s.shard.name, bytes=s.nbytes, group=s.group_name,
-                                  window=ps.window, offset=ps.offset))
+            rec.bound.append(dict(name=s.shard.name, bytes=s.nbytes, group=s.group_name))
         else:
-            rec.refused.append(dict(name=getattr(s.shard, "name", str(s.shard)), reason=s.reason))
+            rec.refused.append(dict(name=getattr(s.shard, "name", str(s.shard)), reason=str(s.reason)))
     for b in buckets:
         rec.buckets.append(dict(kind="ce" if b.bound else "collective",
                                 members=[m.shard.name for m in b.members], bytes=b.nbytes))
