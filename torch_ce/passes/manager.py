@@ -5,16 +5,15 @@ Order (DESIGN.md, "The pipeline"): gate decides per gather; plan groups the elig
 into pools; rewrite retargets them and inserts the bind step; bucket coalesces adjacent
 gathers. The reorder (``reorder.py``) runs later, on Inductor's scheduler nodes.
 
-The manager is a ``CustomGraphPass`` whose ``uuid()`` hashes the pass sources and every
-config value that changes the output, so the FX graph cache stays on and stays correct.
+The manager is a ``CustomGraphPass`` whose ``uuid()`` is ``identity.identity(config)`` (the
+source of every module that shapes the compiled graph, and every config value that changes
+it), so the FX graph cache stays on and stays correct.
 """
 from __future__ import annotations
 
 import collections
 import hashlib
-import inspect
 import logging
-import sys
 from typing import Any
 
 import torch.fx as fx
@@ -28,19 +27,10 @@ except ImportError:  # pragma: no cover - older torch: gate.graph_reason falls b
 from .. import report
 from ..config import config, update
 from . import bucket as bucket_mod
-from . import fx_utils, gate as gate_mod, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
+from . import gate as gate_mod, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
+from .identity import identity
 
 log = logging.getLogger("torch_ce")
-
-
-def _source_hash() -> str:
-    h = hashlib.sha256()
-    from .. import __version__
-
-    h.update(__version__.encode())
-    for mod in (fx_utils, gate_mod, plan_mod, rewrite_mod, bucket_mod, prefetch_mod, sys.modules[__name__]):
-        h.update(inspect.getsource(mod).encode())
-    return h.hexdigest()
 
 
 # Callables run with each graph after our passes (tests record golden dumps here).
@@ -95,9 +85,7 @@ class TorchCEPass(_PassBase):
             fn(graph)
 
     def uuid(self) -> Any:
-        return hashlib.sha256(
-            (_source_hash() + repr(config.cache_key())).encode()
-        ).hexdigest()
+        return identity(config)  # NOTE in identity.py: code and config
 
 
 class _Chained(_PassBase):
