@@ -1,9 +1,9 @@
 """The pass manager: runs gate -> plan -> rewrite -> bucket on each post-grad graph, and
 installs / removes torch_ce in ``torch._inductor.config`` exactly.
 
-Order (DESIGN.md, "The pipeline"): gate decides per gather; plan groups the eligible shards
-into pools; rewrite retargets them and inserts the bind step; bucket coalesces adjacent
-gathers. The reorder (``reorder.py``) runs later, on Inductor's scheduler nodes.
+Order (DESIGN.md, "The pipeline"): gate decides per gather; plan lists the weights the bind
+step takes; rewrite retargets the eligible gathers and inserts the bind step; bucket
+coalesces adjacent ones. The reorder (``reorder.py``) runs later, on Inductor's scheduler nodes.
 
 The manager is a ``CustomGraphPass`` whose ``uuid()`` is ``identity.identity(config)`` (the
 source of every module that shapes the compiled graph, and every config value that changes
@@ -109,8 +109,10 @@ class _Chained(_PassBase):
         return hashlib.sha256((str(first) + str(self.second.uuid())).encode()).hexdigest()
 
 
-# Inductor settings that fight ours while torch_ce is on (NOTE in DESIGN.md: they only
-# match all_gather_into_tensor, and 2.11's overlap scheduler crashes on our buckets).
+# Inductor settings that fight ours while our pass or our reorder is installed (NOTE in
+# DESIGN.md: they only match all_gather_into_tensor, 2.11's overlap scheduler crashes on our
+# buckets, and a second comm scheduler or Inductor's own CE gathers would undo our reorder's
+# placement or its NCCL baseline).
 _OFF = [
     # Hoists every collective to the top of the graph, which would make all weight gathers
     # "program-adjacent" (one bucket) and leave our reorder nothing to place.
@@ -145,8 +147,52 @@ def _set(cfg, dotted: str, value) -> None:
 _MISSING = object()
 
 
+def _install(ic) -> dict[str, Any]:
+    """Apply the current config to Inductor's; returns the old values of what it changed.
+
+    transport "copy_engine": our post-grad pass. reorder: our reorder pass and cost estimate
+    (either transport: with "nccl" it reorders the NCCL gathers). With either, the ``_OFF``
+    settings. Nothing else: ``enable(transport="nccl", reorder=False)`` changes nothing.
+    """
+    ce, reorder = config.transport == "copy_engine", config.reorder
+    keys = ["post_grad_custom_post_pass"] if ce else []
+    if reorder:
+        keys += ["reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes",
+                 "estimate_op_runtime"]
+    if keys:
+        keys += [k for k, _ in _OFF]
+    saved = {k: _get(ic, k) for k in keys}
+    if ce:
+        prev = saved["post_grad_custom_post_pass"]
+        if prev is None:
+            ic.post_grad_custom_post_pass = _pass
+        elif isinstance(prev, (list, tuple)):
+            ic.post_grad_custom_post_pass = type(prev)([*prev, _pass])
+        else:
+            ic.post_grad_custom_post_pass = _Chained(prev, _pass)
+    if reorder:
+        from .reorder import install as install_reorder
+
+        install_reorder(ic)
+    if keys:
+        for k, v in _OFF:
+            if saved[k] is not _MISSING:
+                _set(ic, k, v)
+    return saved
+
+
+def _restore(ic) -> None:
+    global _saved
+    for k, v in (_saved or {}).items():
+        if v is not _MISSING:
+            _set(ic, k, v)
+    _saved = None
+
+
 def enable(**overrides: Any):
-    """Install torch_ce's passes in ``torch._inductor.config`` (idempotent)."""
+    """Apply ``overrides`` to the config, then make Inductor's config match it: each call
+    first undoes what the previous one installed (``enable(); enable(reorder=False)``
+    leaves no reorder), so ``disable()`` restores what was there before the first call."""
     global _saved
     import torch._inductor.config as ic
 
@@ -155,40 +201,19 @@ def enable(**overrides: Any):
     from ..inductor_lowering import register_lowerings
 
     register_lowerings()
-    if _saved is None:
-        keys = ["post_grad_custom_post_pass", "reorder_for_compute_comm_overlap",
-                "reorder_for_compute_comm_overlap_passes", "estimate_op_runtime"]
-        keys += [k for k, _ in _OFF]
-        _saved = {k: _get(ic, k) for k in keys}
-        prev = _saved["post_grad_custom_post_pass"]
-        if prev is None:
-            ic.post_grad_custom_post_pass = _pass
-        elif isinstance(prev, (list, tuple)):
-            ic.post_grad_custom_post_pass = type(prev)([*prev, _pass])
-        else:
-            ic.post_grad_custom_post_pass = _Chained(prev, _pass)
-        for k, v in _OFF:
-            if _saved[k] is not _MISSING:
-                _set(ic, k, v)
-        if config.reorder:
-            from .reorder import install as install_reorder
-
-            install_reorder(ic)
-    log.info("torch_ce: enabled (transport=%s)", config.transport)
+    _restore(ic)
+    _saved = _install(ic)
+    log.info("torch_ce: enabled (transport=%s, reorder=%s)", config.transport, config.reorder)
     return config
 
 
 def disable() -> None:
     """Restore every Inductor setting enable() changed, exactly."""
-    global _saved
     import torch._inductor.config as ic
 
     if _saved is None:
         return
-    for k, v in _saved.items():
-        if v is not _MISSING:
-            _set(ic, k, v)
-    _saved = None
+    _restore(ic)
     log.info("torch_ce: disabled")
 
 
