@@ -596,7 +596,7 @@ def test_enable_disable_around_a_user_callable_pass(clean_ic):
     try:
         ic.post_grad_custom_post_pass = user_pass
         before = _ic_snapshot()
-        torch_ce.enable()
+        torch_ce.enable(transport="copy_engine")
         chained = ic.post_grad_custom_post_pass
         assert chained is not user_pass
         chained(_tiny_graph())
@@ -626,7 +626,7 @@ def test_enable_disable_around_a_user_custom_graph_pass(clean_ic):
     up = UserPass()
     ic.post_grad_custom_post_pass = up
     before = _ic_snapshot()
-    torch_ce.enable()
+    torch_ce.enable(transport="copy_engine")
     chained = ic.post_grad_custom_post_pass
     chained(_tiny_graph())
     assert UserPass.calls == 1
@@ -650,10 +650,84 @@ def test_enable_disable_around_a_user_pass_list(clean_ic):
     lst = [user_pass]
     ic.post_grad_custom_post_pass = lst
     before = _ic_snapshot()
-    torch_ce.enable()
+    torch_ce.enable(transport="copy_engine")
     now = ic.post_grad_custom_post_pass
     assert isinstance(now, list) and now[0] is user_pass and isinstance(now[1], manager.TorchCEPass)
     assert lst == [user_pass]  # the user's list is not mutated
     torch_ce.disable()
     assert ic.post_grad_custom_post_pass is lst and lst == [user_pass]
     assert _diff(before, _ic_snapshot()) == {}
+
+
+# Exactly what each enable() installs (README, the transport and reorder rows).
+_REORDER_KEYS = {"reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes",
+                 "estimate_op_runtime"}
+_OFF_KEYS = {"reorder_for_locality", "bucket_all_gathers_fx",
+             "aten_distributed_optimizations.enable_overlap_scheduling",
+             "aten_distributed_optimizations.enable_low_contention_collectives"}
+
+
+def _installed(ic):
+    from torch_ce.passes import manager, reorder
+
+    ours = ic.post_grad_custom_post_pass
+    return (isinstance(ours, manager.TorchCEPass),
+            [type(p) for p in ic.reorder_for_compute_comm_overlap_passes] == [reorder.LatestSafeLaunch])
+
+
+def test_enable_again_reconfigures(clean_ic):
+    """A second enable() applies the config anew (it used to keep the first reorder)."""
+    import torch._inductor.config as ic
+    import torch_ce
+
+    before = _ic_snapshot()
+    torch_ce.enable(transport="copy_engine")
+    on = _ic_snapshot()
+    assert _installed(ic) == (True, True)
+    torch_ce.enable(reorder=False)
+    assert _installed(ic) == (True, False)
+    changed = set(_diff(before, _ic_snapshot()))
+    assert "post_grad_custom_post_pass" in changed and not changed & _REORDER_KEYS, changed
+    torch_ce.enable(reorder=True)
+    assert _diff(on, _ic_snapshot()) == {}
+    torch_ce.disable()
+    assert _diff(before, _ic_snapshot()) == {}
+
+
+def test_nccl_transport_installs_only_the_reorder(clean_ic):
+    """transport="nccl": no graph pass; with reorder on, only the reorder, its cost estimate
+    and the settings that would fight it; with reorder off, nothing at all."""
+    import torch._inductor.config as ic
+    import torch_ce
+
+    before = _ic_snapshot()
+    torch_ce.enable(transport="nccl", reorder=False)
+    assert _diff(before, _ic_snapshot()) == {}
+    torch_ce.enable(transport="nccl", reorder=True)  # the e2e benchmark's NCCL baseline
+    assert _installed(ic) == (False, True)
+    changed = set(_diff(before, _ic_snapshot()))
+    assert _REORDER_KEYS - {"reorder_for_compute_comm_overlap"} <= changed <= _REORDER_KEYS | _OFF_KEYS, changed
+    assert ic.reorder_for_locality is False
+    torch_ce.disable()
+    assert _diff(before, _ic_snapshot()) == {}
+
+
+def test_disable_after_many_enables_restores_the_first_state(clean_ic):
+    import torch._inductor.config as ic
+    import torch_ce
+    from torch_ce.passes import manager
+
+    def user_pass(graph):
+        pass
+
+    ic.post_grad_custom_post_pass = user_pass
+    before = _ic_snapshot()
+    for kw in (dict(transport="copy_engine"), dict(transport="nccl"), dict(reorder=False),
+               dict(transport="copy_engine", reorder=True), dict(transport="copy_engine")):
+        torch_ce.enable(**kw)
+    assert isinstance(ic.post_grad_custom_post_pass, manager._Chained)
+    assert ic.post_grad_custom_post_pass.first is user_pass  # chained once, not onto ourselves
+    torch_ce.disable()
+    assert ic.post_grad_custom_post_pass is user_pass
+    assert _diff(before, _ic_snapshot()) == {}
+    assert not manager.is_enabled()

@@ -151,7 +151,21 @@ graph():
         self.assertIn("> prefetch_next_call_mib", report.graphs[-1].prefetch["what"])
 
     def test_transport_nccl_untouched(self):
+        """transport="nccl" installs no graph pass: a user's post-grad pass sees the graph
+        as Inductor made it (and stays the only one)."""
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        class Recorder(CustomGraphPass):
+            def __call__(s, graph):
+                self._record(graph)
+
+            def uuid(s):
+                return "recorder"
+
+        rec = Recorder()
+        self.stack.enter_context(torch._inductor.config.patch(post_grad_custom_post_pass=rec))
         g = self.compile_and_run(self.mlp(), torch.randn(4, 8), transport="nccl")
+        self.assertIs(torch._inductor.config.post_grad_custom_post_pass, rec)
         self.assertNotIn("magi", g)
         self.assertExpectedInline(g, """\
 graph():

@@ -1,7 +1,8 @@
 """torch_ce settings: one validated object, settable from code and from the environment.
 
-Every value that changes what the graph passes emit is part of the pass manager's uuid()
-(see ``passes/manager.py``), so the FX graph cache stays on and stays correct.
+Every value that changes what the graph passes emit is part of torch_ce's cache identity
+(``cache_key()``, used by ``passes/identity.py``), so the FX graph cache stays on and stays
+correct.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ COST_MODES = ("calibrated", "default")
 
 @dataclasses.dataclass
 class Config:
-    # "nccl": graphs untouched. "copy_engine": eligible weight gathers become one-sided
+    # "nccl": no graph pass (only the reorder, if on). "copy_engine": eligible weight gathers become one-sided
     # window reads (CUDA copy engines for CUDA weights, the host transport for CPU weights).
     transport: str = "nccl"
     # Shards smaller than this stay on NCCL (0: every eligible weight is bound).
@@ -30,7 +31,7 @@ class Config:
     # Reorder: a launch needs upstream compute >= cost * scale + margin to be hidden.
     comm_overlap_window_scale: float = 1.5
     comm_overlap_margin_us: float = 5.0
-    # Install the latest-safe-launch reorder (for both transports) while enabled.
+    # Install the latest-safe-launch reorder (either transport); read at each enable().
     reorder: bool = True
     # Gather the graph's leading CE weights (whole buckets, at most this many MiB of gathered
     # output) at the end of each call, for the next call (0: off). The outputs stay

@@ -1,10 +1,10 @@
 """Bucket: program-adjacent weight gathers of one group coalesce into one launch.
 
 A run is a sequence of weight gathers with nothing but other gathers and their waits
-between them (``to_local()`` waits right after each gather). It
-breaks at a group or dtype change, at the size cap (``bucket_size_mib``), and on the bind
-flag, so a bucket is all-bound (``magi.ce_all_gather_coalesced``: one copy-engine
-submission) or all-unbound (``all_gather_into_tensor_coalesced``: one NCCL launch).
+between them (``to_local()`` waits right after each gather). It breaks at a group or dtype
+change and at the size cap (``bucket_size_mib``); several bound gathers become one
+``magi.ce_all_gather_coalesced`` (one copy-engine submission). Every other gather is a
+bucket of one, left as it is (the report lists it as a collective).
 
 # NOTE [refused gathers stay single]
 Gathers the gate refused are never coalesced (each is a bucket of one). Whether a gather
@@ -53,7 +53,7 @@ class Bucket:
 
 
 def _key(s: Seed) -> tuple:
-    return (s.group_size, s.group_name, str(s.shard.meta["val"].dtype), s.eligible)
+    return (s.group_size, s.group_name, str(s.shard.meta["val"].dtype))
 
 
 def _runs(graph: fx.Graph, seeds: list[Seed]) -> list[list[Seed]]:
@@ -76,10 +76,11 @@ def plan_buckets(graph: fx.Graph, seeds: list[Seed], cfg: Config) -> list[Bucket
     """Split program-adjacent runs of weight gathers into buckets (no graph change)."""
     cap = cfg.bucket_cap_bytes
     buckets: list[Bucket] = []
-    for run in _runs(graph, [s for s in seeds if s.wait is not None and s.coalescable]):
+    for run in _runs(graph, seeds):
         cur: list[Seed] = []
         for s in run:
-            if cur and (_key(s) != _key(cur[-1]) or not s.eligible  # NOTE [refused gathers stay single]
+            # NOTE [refused gathers stay single]: a refused gather neither joins nor takes.
+            if cur and (not s.eligible or not cur[-1].eligible or _key(s) != _key(cur[-1])
                         or (cap and sum(m.nbytes for m in cur) + s.nbytes > cap)):
                 buckets.append(Bucket(cur, cur[0].eligible))
                 cur = []
@@ -96,11 +97,11 @@ def bucket(graph: fx.Graph, seeds: list[Seed], cfg: Config) -> list[Bucket]:
         if len(b.members) < 2:
             b.node = b.members[0].gather
             continue
-        first = b.members[0]
-        target = U.magi.ce_all_gather_coalesced.default if b.bound else U.ALL_GATHER_COALESCED
+        first = b.members[0]  # a bucket of several is all-bound (NOTE [refused gathers stay single])
         with graph.inserting_before(first.gather):
             co = graph.call_function(
-                target, ([s.shard for s in b.members], first.group_size, first.group_name)
+                U.magi.ce_all_gather_coalesced.default,
+                ([s.shard for s in b.members], first.group_size, first.group_name),
             )
             co.meta["val"] = [s.gather.meta.get("val") for s in b.members]
         prev = co

@@ -8,7 +8,6 @@ c10d = torch.ops._c10d_functional
 magi = torch.ops.magi
 
 ALL_GATHER = c10d.all_gather_into_tensor.default
-ALL_GATHER_COALESCED = c10d.all_gather_into_tensor_coalesced.default
 WAIT = c10d.wait_tensor.default
 
 

@@ -9,7 +9,8 @@ valid across ranks. A gather is eligible when:
   * it is a single even Shard(0) gather: its output is used as is (an uneven Shard(0) is
     sliced after the wait; Shard(1) is re-split; a 2-D placement is gathered again);
   * the shard is contiguous, static-shaped, on a device the transport serves, and at least
-    ``symm_min_shard_mib`` large.
+    ``symm_min_shard_mib`` large: ``shard_refusal`` (runtime/eligibility.py), the predicate
+    the run-time bind applies to the live shard, so the two cannot disagree.
 
 # NOTE [inference only]
 There is no step barrier: a peer reads a weight whenever it gathers. An in-place update on
@@ -24,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from ..config import Config
+from ..runtime.eligibility import Reason, Refusal, shard_refusal
 from . import fx_utils as U
 
 aten = torch.ops.aten
@@ -45,16 +47,12 @@ class Seed:
     wait: fx.Node | None
     group_size: int
     group_name: str
-    reason: str | None = None  # None: eligible
+    reason: Refusal | None = None  # None: eligible
     nbytes: int = 0
     # The parameter placeholder the gather input comes from (directly, or through a cast,
     # pad or view): the bind step lists it even when refused, so that every rank agrees
     # over the same candidates (NOTE [agreement before anything moves] in binding.py).
     weight: fx.Node | None = None
-    # May share an NCCL bucket when refused: its gather looks the same on every rank
-    # (input a placeholder, output used as is). Uneven shards are padded on some ranks
-    # only, so their graphs differ and coalescing them could mismatch NCCL launches.
-    coalescable: bool = False
 
     @property
     def eligible(self) -> bool:
@@ -75,20 +73,24 @@ def _aot_metadata():
         return None
 
 
-def graph_reason(graph: fx.Graph, is_inference: bool | None = None) -> str | None:
+_TRAINING = Refusal(Reason.TRAINING_GRAPH, "graph needs gradients (training): CE is inference-only")
+
+
+def graph_reason(graph: fx.Graph, is_inference: bool | None = None) -> Refusal | None:
     """Why no gather of this graph may use CE (None: an inference graph)."""
     if is_inference is False:
-        return "graph needs gradients (training): CE is inference-only"
+        return _TRAINING
     for n in graph.nodes:
         # AOTAutograd names the inputs of training graphs primals_* / tangents_*.
         if n.op == "placeholder" and n.name.startswith(("primals_", "tangents_")):
-            return "graph needs gradients (training): CE is inference-only"
+            return _TRAINING
     md = _aot_metadata()
     if md is not None:
         if any(getattr(i, "requires_grad", False) for i in md.input_info):
-            return "graph needs gradients (training): CE is inference-only"
+            return _TRAINING
         if any(getattr(i, "mutates_data", False) for i in md.input_info):
-            return "graph mutates its inputs (weights may change): CE is inference-only"
+            return Refusal(Reason.MUTATING_GRAPH,
+                           "graph mutates its inputs (weights may change): CE is inference-only")
     return None
 
 
@@ -114,26 +116,33 @@ def _chain(x: fx.Node) -> tuple[list[fx.Node], fx.Node]:
     return seen, cur
 
 
-def _input_reason(x: fx.Node, ph_index: dict[fx.Node, int]) -> str:
+_GATHER_OF_GATHER = Refusal(Reason.GATHER_OF_GATHER, "gather of a gathered tensor (multi-dim placement)")
+
+
+def _input_reason(x: fx.Node, ph_index: dict[fx.Node, int]) -> Refusal:
     """Why a non-placeholder gather input is not a parameter's local shard."""
     seen, cur = _chain(x)
-    if cur.op != "placeholder" or any(U.is_wait(n) for n in seen):
-        if any(U.is_wait(n) for n in seen):
-            return "gather of a gathered tensor (multi-dim placement)"
-        return "gather input is not directly a graph input"
+    if any(U.is_wait(n) for n in seen):
+        return _GATHER_OF_GATHER
+    if cur.op != "placeholder":
+        return Refusal(Reason.NOT_A_GRAPH_INPUT, "gather input is not directly a graph input")
     targets = {n.target for n in seen}
     if targets & _CAST_OPS:
-        return "cast before gather (store inference weights in the compute dtype)"
+        return Refusal(Reason.CAST_BEFORE_GATHER,
+                       "cast before gather (store inference weights in the compute dtype)")
     if targets & _PAD_OPS:
-        return "pad before gather (uneven Shard(0))"
+        return Refusal(Reason.PAD_BEFORE_GATHER, "pad before gather (uneven Shard(0))")
     if not _is_weight(cur, ph_index[cur]):
         # e.g. an activation: computed from an input that is not a parameter.
-        return "gather input is not directly a graph input (computed from a non-parameter input)"
+        return Refusal(Reason.NOT_A_GRAPH_INPUT,
+                       "gather input is not directly a graph input (computed from a non-parameter input)")
     val = cur.meta.get("val")
     if targets & _COPY_OPS and val is not None and not val.is_contiguous():
         # DTensor makes a non-contiguous local shard contiguous before gathering it.
-        return "non-contiguous shard (copied to a contiguous tensor before the gather)"
-    return "gather input is a view or copy of a graph input, not the shard itself"
+        return Refusal(Reason.NON_CONTIGUOUS,
+                       "non-contiguous shard (copied to a contiguous tensor before the gather)")
+    return Refusal(Reason.VIEW_OR_COPY,
+                   "gather input is a view or copy of a graph input, not the shard itself")
 
 
 def _truncates_rows(s: fx.Node, wait: fx.Node) -> bool:
@@ -147,18 +156,19 @@ def _truncates_rows(s: fx.Node, wait: fx.Node) -> bool:
     return out.shape[0] != full.shape[0]
 
 
-def _output_reason(wait: fx.Node | None) -> str | None:
+def _output_reason(wait: fx.Node | None) -> Refusal | None:
+    """Why the gathered tensor is not used as is (an even Shard(0) on one mesh dim)."""
     if wait is None:
-        return "gather without a single wait_tensor"
+        return Refusal(Reason.NO_SINGLE_WAIT, "gather without a single wait_tensor")
     for u in wait.users:
         if u.op != "call_function":
             continue
         if u.target in _SLICE_OPS and _truncates_rows(u, wait):
-            return "uneven Shard(0) (gathered rows are sliced)"
+            return Refusal(Reason.UNEVEN_SHARD, "uneven Shard(0) (gathered rows are sliced)")
         if u.target in _RESPLIT_OPS:
-            return "not Shard(0) (gathered rows are re-split)"
+            return Refusal(Reason.NOT_SHARD0, "not Shard(0) (gathered rows are re-split)")
         if U.is_all_gather(u):
-            return "gather of a gathered tensor (multi-dim placement)"
+            return _GATHER_OF_GATHER
     return None
 
 
@@ -177,34 +187,32 @@ def gate(graph: fx.Graph, cfg: Config, is_inference: bool | None = None) -> list
         if (root is not None and root.op == "placeholder" and _is_weight(root, ph_index[root])
                 and not any(U.is_wait(n) for n in _chain(x)[0])):
             seed.weight = root
-        seed.coalescable = (
-            whole is None and x.op == "placeholder" and _output_reason(seed.wait) is None
-        )
         seeds.append(seed)
     return seeds
 
 
-def _seed_reason(seed: Seed, val, ph_index, cfg: Config) -> str | None:
+def _seed_reason(seed: Seed, val, ph_index, cfg: Config) -> Refusal | None:
+    """Graph facts first (what only the graph shows), then the shard facts through the
+    predicate the run-time bind uses too (runtime/eligibility.py)."""
     x = seed.shard
-    if seed.group_size < 2:
-        return "group of size 1: nothing to gather"
     if x.op != "placeholder":
         return _input_reason(x, ph_index)
     if not _is_weight(x, ph_index[x]):
-        return "gather input is a graph input that is not a parameter"
+        return Refusal(Reason.NOT_A_PARAMETER, "gather input is a graph input that is not a parameter")
     out = _output_reason(seed.wait)
     if out:
         return out
     if val is None:
-        return "no shape information"
-    if U.nbytes(val) is None:
-        return "dynamic shard shape"
-    if not val.is_contiguous():
-        return "non-contiguous shard"
-    if val.device.type == "cpu" and not cfg.host_transport:
-        return "CPU tensor with the CUDA copy-engine transport (host transport off)"
-    if val.device.type not in ("cpu", "cuda"):
-        return f"unsupported device {val.device.type}"
-    if seed.nbytes < cfg.min_shard_bytes:
-        return f"shard below symm_min_shard_mib ({seed.nbytes} B < {cfg.min_shard_bytes} B)"
-    return None
+        return Refusal(Reason.NO_SHAPE, "no shape information")
+    nbytes = U.nbytes(val)
+    static = nbytes is not None
+    return shard_refusal(
+        device_type=val.device.type,
+        nbytes=nbytes,
+        numel=int(val.numel()) if static else None,
+        dim=val.dim(),
+        # A dynamic shape is refused before contiguity is asked (it could add a guard).
+        contiguous=bool(val.is_contiguous()) if static else True,
+        group_size=seed.group_size,
+        cfg=cfg,
+    )

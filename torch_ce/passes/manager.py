@@ -1,20 +1,19 @@
 """The pass manager: runs gate -> plan -> rewrite -> bucket on each post-grad graph, and
 installs / removes torch_ce in ``torch._inductor.config`` exactly.
 
-Order (DESIGN.md, "The pipeline"): gate decides per gather; plan groups the eligible shards
-into pools; rewrite retargets them and inserts the bind step; bucket coalesces adjacent
-gathers. The reorder (``reorder.py``) runs later, on Inductor's scheduler nodes.
+Order (DESIGN.md, "The pipeline"): gate decides per gather; plan lists the weights the bind
+step takes; rewrite retargets the eligible gathers and inserts the bind step; bucket
+coalesces adjacent ones. The reorder (``reorder.py``) runs later, on Inductor's scheduler nodes.
 
-The manager is a ``CustomGraphPass`` whose ``uuid()`` hashes the pass sources and every
-config value that changes the output, so the FX graph cache stays on and stays correct.
+The manager is a ``CustomGraphPass`` whose ``uuid()`` is ``identity.identity(config)`` (the
+source of every module that shapes the compiled graph, and every config value that changes
+it), so the FX graph cache stays on and stays correct.
 """
 from __future__ import annotations
 
 import collections
 import hashlib
-import inspect
 import logging
-import sys
 from typing import Any
 
 import torch.fx as fx
@@ -28,19 +27,10 @@ except ImportError:  # pragma: no cover - older torch: gate.graph_reason falls b
 from .. import report
 from ..config import config, update
 from . import bucket as bucket_mod
-from . import fx_utils, gate as gate_mod, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
+from . import gate as gate_mod, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
+from .identity import identity
 
 log = logging.getLogger("torch_ce")
-
-
-def _source_hash() -> str:
-    h = hashlib.sha256()
-    from .. import __version__
-
-    h.update(__version__.encode())
-    for mod in (fx_utils, gate_mod, plan_mod, rewrite_mod, bucket_mod, prefetch_mod, sys.modules[__name__]):
-        h.update(inspect.getsource(mod).encode())
-    return h.hexdigest()
 
 
 # Callables run with each graph after our passes (tests record golden dumps here).
@@ -56,7 +46,7 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
         return None
     rec = report.new_graph(config.transport)
     refused_whole = gate_mod.graph_reason(graph, is_inference)
-    p = plan_mod.plan(seeds, config, whole_graph_refused=refused_whole is not None)
+    p = plan_mod.plan(seeds, whole_graph_refused=refused_whole is not None)
     bind_node = rewrite_mod.rewrite(graph, p)
     buckets = [] if refused_whole else bucket_mod.bucket(graph, seeds, config)
     pf_node, pf_what = prefetch_mod.insert_prefetch(graph, buckets, config)
@@ -65,11 +55,9 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
                             what=pf_what)
     for s in seeds:
         if s.eligible:
-            ps = next(x for x in p.shards if x.node is s.shard)
-            rec.bound.append(dict(name=s.shard.name, bytes=s.nbytes, group=s.group_name,
-                                  window=ps.window, offset=ps.offset))
+            rec.bound.append(dict(name=s.shard.name, bytes=s.nbytes, group=s.group_name))
         else:
-            rec.refused.append(dict(name=getattr(s.shard, "name", str(s.shard)), reason=s.reason))
+            rec.refused.append(dict(name=getattr(s.shard, "name", str(s.shard)), reason=str(s.reason)))
     for b in buckets:
         rec.buckets.append(dict(kind="ce" if b.bound else "collective",
                                 members=[m.shard.name for m in b.members], bytes=b.nbytes))
@@ -97,9 +85,7 @@ class TorchCEPass(_PassBase):
             fn(graph)
 
     def uuid(self) -> Any:
-        return hashlib.sha256(
-            (_source_hash() + repr(config.cache_key())).encode()
-        ).hexdigest()
+        return identity(config)  # NOTE in identity.py: code and config
 
 
 class _Chained(_PassBase):
@@ -123,8 +109,10 @@ class _Chained(_PassBase):
         return hashlib.sha256((str(first) + str(self.second.uuid())).encode()).hexdigest()
 
 
-# Inductor settings that fight ours while torch_ce is on (NOTE in DESIGN.md: they only
-# match all_gather_into_tensor, and 2.11's overlap scheduler crashes on our buckets).
+# Inductor settings that fight ours while our pass or our reorder is installed (NOTE in
+# DESIGN.md: they only match all_gather_into_tensor, 2.11's overlap scheduler crashes on our
+# buckets, and a second comm scheduler or Inductor's own CE gathers would undo our reorder's
+# placement or its NCCL baseline).
 _OFF = [
     # Hoists every collective to the top of the graph, which would make all weight gathers
     # "program-adjacent" (one bucket) and leave our reorder nothing to place.
@@ -159,8 +147,52 @@ def _set(cfg, dotted: str, value) -> None:
 _MISSING = object()
 
 
+def _install(ic) -> dict[str, Any]:
+    """Apply the current config to Inductor's; returns the old values of what it changed.
+
+    transport "copy_engine": our post-grad pass. reorder: our reorder pass and cost estimate
+    (either transport: with "nccl" it reorders the NCCL gathers). With either, the ``_OFF``
+    settings. Nothing else: ``enable(transport="nccl", reorder=False)`` changes nothing.
+    """
+    ce, reorder = config.transport == "copy_engine", config.reorder
+    keys = ["post_grad_custom_post_pass"] if ce else []
+    if reorder:
+        keys += ["reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes",
+                 "estimate_op_runtime"]
+    if keys:
+        keys += [k for k, _ in _OFF]
+    saved = {k: _get(ic, k) for k in keys}
+    if ce:
+        prev = saved["post_grad_custom_post_pass"]
+        if prev is None:
+            ic.post_grad_custom_post_pass = _pass
+        elif isinstance(prev, (list, tuple)):
+            ic.post_grad_custom_post_pass = type(prev)([*prev, _pass])
+        else:
+            ic.post_grad_custom_post_pass = _Chained(prev, _pass)
+    if reorder:
+        from .reorder import install as install_reorder
+
+        install_reorder(ic)
+    if keys:
+        for k, v in _OFF:
+            if saved[k] is not _MISSING:
+                _set(ic, k, v)
+    return saved
+
+
+def _restore(ic) -> None:
+    global _saved
+    for k, v in (_saved or {}).items():
+        if v is not _MISSING:
+            _set(ic, k, v)
+    _saved = None
+
+
 def enable(**overrides: Any):
-    """Install torch_ce's passes in ``torch._inductor.config`` (idempotent)."""
+    """Apply ``overrides`` to the config, then make Inductor's config match it: each call
+    first undoes what the previous one installed (``enable(); enable(reorder=False)``
+    leaves no reorder), so ``disable()`` restores what was there before the first call."""
     global _saved
     import torch._inductor.config as ic
 
@@ -169,40 +201,19 @@ def enable(**overrides: Any):
     from ..inductor_lowering import register_lowerings
 
     register_lowerings()
-    if _saved is None:
-        keys = ["post_grad_custom_post_pass", "reorder_for_compute_comm_overlap",
-                "reorder_for_compute_comm_overlap_passes", "estimate_op_runtime"]
-        keys += [k for k, _ in _OFF]
-        _saved = {k: _get(ic, k) for k in keys}
-        prev = _saved["post_grad_custom_post_pass"]
-        if prev is None:
-            ic.post_grad_custom_post_pass = _pass
-        elif isinstance(prev, (list, tuple)):
-            ic.post_grad_custom_post_pass = type(prev)([*prev, _pass])
-        else:
-            ic.post_grad_custom_post_pass = _Chained(prev, _pass)
-        for k, v in _OFF:
-            if _saved[k] is not _MISSING:
-                _set(ic, k, v)
-        if config.reorder:
-            from .reorder import install as install_reorder
-
-            install_reorder(ic)
-    log.info("torch_ce: enabled (transport=%s)", config.transport)
+    _restore(ic)
+    _saved = _install(ic)
+    log.info("torch_ce: enabled (transport=%s, reorder=%s)", config.transport, config.reorder)
     return config
 
 
 def disable() -> None:
     """Restore every Inductor setting enable() changed, exactly."""
-    global _saved
     import torch._inductor.config as ic
 
     if _saved is None:
         return
-    for k, v in _saved.items():
-        if v is not _MISSING:
-            _set(ic, k, v)
-    _saved = None
+    _restore(ic)
     log.info("torch_ce: disabled")
 
 

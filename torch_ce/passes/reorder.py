@@ -1,7 +1,7 @@
 """Reorder: latest-safe-launch of weight gathers over Inductor's scheduler nodes.
 
-Installed as the only entry of ``reorder_for_compute_comm_overlap_passes`` while torch_ce is
-enabled (both transports). One back-to-front sweep over the launches: each one is placed at
+Installed as the only entry of ``reorder_for_compute_comm_overlap_passes`` by ``enable()``
+with ``reorder`` on (either transport). One back-to-front sweep over the launches: each one is placed at
 the latest position whose upstream compute, up to its wait, covers
 ``cost * comm_overlap_window_scale + comm_overlap_margin_us``; if there is not enough
 compute, as early as legal (after its producers). Waits are first sunk to just before their
@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import inspect
 import logging
 from typing import Callable
 
 from ..inductor_lowering import _issues_transfer
 from . import cost as cost_mod
+from .identity import identity
 
 log = logging.getLogger("torch_ce")
 
@@ -236,8 +235,9 @@ def _default_cost(snode) -> float:
 
 
 class LatestSafeLaunch:
-    """The reorder entry; pickles to a digest of its source and config so Inductor's FX
-    graph cache key changes whenever the placement rule does."""
+    """The reorder entry. Inductor's FX graph cache key pickles the config, this entry
+    included: it pickles with torch_ce's cache identity (identity.py), so the key changes
+    whenever our code or config could place launches differently."""
 
     def __call__(self, snodes: list) -> list:
         return latest_safe_launch(snodes)
@@ -245,14 +245,12 @@ class LatestSafeLaunch:
     def __reduce__(self):
         from ..config import config
 
-        digest = hashlib.sha256(
-            (inspect.getsource(latest_safe_launch) + inspect.getsource(cost_mod)
-             + repr(config.cache_key())).encode()
-        ).hexdigest()
-        return (_make_pass, (digest,))
+        return (_make_pass, (identity(config),))
 
 
 def _make_pass(digest: str) -> LatestSafeLaunch:
+    """Unpickle a LatestSafeLaunch. ``digest`` is not used: it is an argument only so that
+    it is part of the pickled bytes, i.e. of Inductor's cache key."""
     return LatestSafeLaunch()
 
 
