@@ -101,7 +101,11 @@ def test_every_cache_key_field_changes_both_keys(name):
     assert _keys() == before
 
 
-def test_cache_key_is_every_field_but_the_cache_dir():
+# Run-time-only settings: they change what a bind or a calibration does, never the graph.
+RUN_TIME_ONLY = {"cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s"}
+
+
+def test_cache_key_is_every_field_but_the_run_time_ones():
     """A new config field is in the key unless it is left out here on purpose."""
     fields = {f.name for f in dataclasses.fields(torch_ce.config)}
-    assert {k for k, _ in torch_ce.config.cache_key()} == fields - {"cost_cache_dir"}
+    assert {k for k, _ in torch_ce.config.cache_key()} == fields - RUN_TIME_ONLY
