@@ -42,6 +42,9 @@ class Config:
     cost_mode: str = "calibrated"
     # Where the calibrated cost curves are cached ("" = ~/.cache/torch_ce).
     cost_cache_dir: str = ""
+    # Without the C++ gather kernels, CUDA weights stay on NCCL; True gathers them by
+    # per-peer copy_ instead (slower than NCCL: for debugging, not for speed).
+    cuda_torch_fallback: bool = False
 
     def validate(self) -> "Config":
         if self.transport not in TRANSPORTS:
@@ -87,9 +90,10 @@ class Config:
         return patch(**overrides)
 
     def cache_key(self) -> tuple:
-        """The values that change what the passes emit (cost_cache_dir does not)."""
+        """The values that change what the passes emit (the run-time-only ones do not)."""
         d = dataclasses.asdict(self)
         d.pop("cost_cache_dir")
+        d.pop("cuda_torch_fallback")
         return tuple(sorted(d.items()))
 
 

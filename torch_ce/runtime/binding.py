@@ -86,7 +86,8 @@ def local_reason(t: torch.Tensor, group, min_shard_bytes: int) -> str | None:
     nbytes = t.numel() * t.element_size()
     if nbytes < min_shard_bytes:
         return f"shard below symm_min_shard_mib ({nbytes} B)"
-    return None
+    no_kernel = native.kernel_refusal(t.device.type)
+    return None if no_kernel is None else str(no_kernel)
 
 
 def candidate_from_param(name: str, p: torch.Tensor, group, min_shard_bytes: int) -> Candidate:
@@ -337,8 +338,6 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
     for c, slot in slots:
         _transport(slot.window.device).publish_slot(slot)
         W.register(c.tensor, slot)
-        if slot.window.device.type == "cuda" and native.loaded():
-            native.register_slot(slot)  # the C++ kernels' mirror of the registry
     if config.cost_mode == "calibrated":
         _calibrate(max((s for _, s in slots), key=lambda s: s.window.nbytes))
 

@@ -13,6 +13,7 @@ process, so shards are pooled, never one window per weight.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -150,8 +151,40 @@ def lookup(t: torch.Tensor) -> Slot | Fallback | None:
 
 
 def register(t: torch.Tensor, entry: Slot | Fallback) -> None:
+    """Record ``t``'s slot (or Fallback). The one writer of both indexes: a CUDA slot is
+    mirrored into the C++ kernels' index, and an entry that replaces one leaves it."""
+    from . import native
+
+    key = t.data_ptr()
     with _lock:
-        _registry[t.data_ptr()] = entry
+        old = _registry.get(key)
+        _registry[key] = entry
+        if native.loaded():
+            if isinstance(entry, Slot) and entry.window.device.type == "cuda":
+                native.register_slot(entry)
+            elif isinstance(old, Slot) and old.window.device.type == "cuda":
+                native.unregister(key)
+
+
+@contextlib.contextmanager
+def registered_probe(t: torch.Tensor, slot: Slot):
+    """``t`` registered as ``slot`` for the block, then the entry it displaced restored:
+    the calibration's probe starts at a window's first slot, whose shard is bound."""
+    from . import native
+
+    key = t.data_ptr()
+    with _lock:
+        old = _registry.get(key)
+        register(t, slot)
+    try:
+        yield
+    finally:
+        with _lock:
+            if old is not None:
+                register(t, old)
+            else:
+                _registry.pop(key, None)
+                native.unregister(key)
 
 
 def bound_slots() -> list[Slot]:
