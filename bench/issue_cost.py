@@ -1,15 +1,16 @@
 """Where the CPU time of one copy-engine gather goes (torchrun --nproc_per_node 2).
 
 Times, per call, in a tight loop on bound shards: the whole op + wait through the C++
-kernel (when built) and through the Python kernel, NCCL's gather, and the Python kernel's
-parts (lookup, output allocation, stream/event handling, the raw cudaMemcpyBatchAsync call,
-the raw per-peer cudaMemcpyAsync calls, the c10d work). Prints one line per row (us/call).
+kernel, through the Python kernel (which hands its bound members back to the C++ gather),
+NCCL's gather, and a few torch pieces a gather pays for (lookup, output allocation,
+stream/event handling, record_stream). Prints one line per row (us/call).
 With one process (``--nproc_per_node 1``, e.g. a one-GPU machine) the shard is a loopback
-slot (``native.register_loopback``: the peer copy is a second local tensor; symmetric
-memory refuses two ranks on one device) and there is no NCCL row: CPU cost is what this
-measures, and it does not depend on where the peer's copy lives.
+slot (``register_loopback`` from test/cuda_helpers.py: the peer copy is a second local
+tensor; symmetric memory refuses two ranks on one device) and there is no NCCL row: CPU
+cost is what this measures, and it does not depend on where the peer's copy lives.
 """
 import os
+import sys
 import time
 
 import torch
@@ -44,34 +45,36 @@ def main():
     else:
         dist.init_process_group("gloo")
     import torch_ce
-    from torch_ce.runtime import _cuda_lib, native, cuda as tr, windows as W
+    from torch_ce.runtime import native, windows as W
+
+    if not native.load():
+        raise SystemExit(f"issue_cost: {native.kernel_path('cuda')}")
 
     torch_ce.config.update(cost_mode="default")
     ws = dist.get_world_size()
     g = dist.group.WORLD
     shard = torch.randn(1 << 19, device=dev, dtype=torch.bfloat16)  # 1 MiB
     if ws == 1:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
+        from cuda_helpers import register_loopback
+
         peer = torch.randn_like(shard)
-        native.register_loopback(shard, peer, g, 0)
+        register_loopback(shard, peer, g, 0)
         ws = 2
     else:
         torch_ce.bind([shard], group=g)
-    slot = W.lookup(shard)
-    side = tr.copy_stream(dev)
+    assert isinstance(W.lookup(shard), W.Slot)
+    side = torch.cuda.Stream(device=dev)
     out = torch.empty(ws * shard.numel(), device=dev, dtype=shard.dtype)
-    lay = tr._bucket_layout([slot])
-    for i, off in enumerate(lay.offsets[0]):
-        lay.dsts[i] = out.data_ptr() + off
     op = torch.ops.magi.ce_all_gather.default
     wait = torch.ops._c10d_functional.wait_tensor.default
     py = torch.ops.torch_ce.gather_python.default
     opc = torch.ops.magi.ce_all_gather_coalesced.default
     five = [shard] * 5
-    kernel = "C++" if native.loaded() else "Python"
     rows = {
-        f"op + wait_tensor ({kernel} kernel)": lambda: wait(op(shard, ws, g.group_name)),
-        f"op only ({kernel} kernel)": lambda: op(shard, ws, g.group_name),
-        f"coalesced x5 + 5 waits ({kernel})": lambda: [wait(o) for o in opc(five, ws, g.group_name)],
+        "op + wait_tensor (C++ kernel)": lambda: wait(op(shard, ws, g.group_name)),
+        "op only (C++ kernel)": lambda: op(shard, ws, g.group_name),
+        "coalesced x5 + 5 waits (C++)": lambda: [wait(o) for o in opc(five, ws, g.group_name)],
         "op + wait_tensor (Python kernel)": lambda: wait(py([shard], ws, g.group_name)[0]),
         "op only (Python kernel)": lambda: py([shard], ws, g.group_name),
         "coalesced x5 + 5 waits (Python)": lambda: [wait(o) for o in py(five, ws, g.group_name)],
@@ -80,10 +83,7 @@ def main():
         "new_empty output": lambda: shard.new_empty((ws * shard.shape[0],)),
         "current_stream + capturing": lambda: (torch.cuda.current_stream(dev), torch.cuda.is_current_stream_capturing()),
         "Event() + record + wait_event": lambda: _ev_wait(side, dev),
-        "raw memcpy_batch (ctypes)": lambda: _cuda_lib.memcpy_batch(lay.dsts, lay.srcs, lay.sizes, side.cuda_stream),
-        "raw memcpy_peer_fallback (ctypes)": lambda: _cuda_lib.memcpy_peer_fallback(lay.dsts, lay.srcs, lay.sizes, side.cuda_stream),
-        "gather_into (transport)": lambda: tr.gather_into([out], [slot]),
-        "CopyEngineWork + register": lambda: torch._C._distributed_c10d._register_work(out, tr.CopyEngineWork(torch.cuda.Event())),
+        "gather_bound (C++, Python's hand-back)": lambda: native.gather_bound([shard], ws),
         "record_stream": lambda: out.record_stream(side),
     }
     res = {k: per_call_us(f) for k, f in rows.items() if f is not None}

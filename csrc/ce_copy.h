@@ -1,7 +1,7 @@
 // torch_ce: the two ways one bucket of copies reaches the copy engines.
 //
-// Shared by the C ABI (ce_ops.cu, loaded with ctypes) and the torch kernels
-// (ce_torch.cpp); header-only and free of torch headers.
+// Used by the torch kernels (ce_torch.cpp); header-only and free of torch
+// headers, so the copy calls read on their own.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,28 +1,34 @@
 // torch_ce: the CUDA kernels of magi::ce_all_gather[_coalesced], in C++.
 //
-// Built by setup.py into torch_ce/_ce_torch*.so, only against a CUDA build of
-// torch, and loaded with torch.ops.load_library (torch_ce/native.py).
+// Built by setup.py into torch_ce/runtime/_ce_torch*.so, only against a CUDA
+// build of torch, and loaded with torch.ops.load_library
+// (torch_ce/runtime/native.py). On a CPU torch with nvcc, setup.py compiles it
+// (object only, not installed) so a broken source still fails the install.
 //
 // # NOTE [native gather path]
-// The Python kernel cost ~80 us of CPU per gather and wait_tensor on its Python
-// Work another ~45 us (bench/results, run 2): at 1024 tokens the forward was
-// CPU-bound. Here a gather of bound shards is: one registry lookup per member,
-// the outputs allocated on the current stream, one event so the copy streams
-// start after that allocation, the peer reads in one cudaMemcpyBatchAsync on
-// the peer-copy stream, this rank's own rows on a second (local-copy) stream so
-// the DtoD copy runs beside the peer reads instead of inside their batch, and a
-// C++ c10d Work per bucket whose wait() is one cudaStreamWaitEvent.
+// The one CUDA gather of bound shards. A Python kernel cost ~80 us of CPU per
+// gather and wait_tensor on its Python Work another ~45 us (bench/results,
+// run 2): at 1024 tokens the forward was CPU-bound. Here a gather of bound
+// shards is: one registry lookup per member, the outputs allocated on the
+// current stream, one event so the copy streams start after that allocation,
+// the peer reads in one cudaMemcpyBatchAsync on the peer-copy stream, this
+// rank's own rows on a second (local-copy) stream so the DtoD copy runs beside
+// the peer reads instead of inside their batch, and a C++ c10d Work per bucket
+// whose wait() is one cudaStreamWaitEvent.
 //
-// Anything else (a member that is unbound or refused, a group that differs by
+// The registry here mirrors the Python one (torch_ce/runtime/windows.py, whose
+// register() and release_all() are the only writers). Anything the fast path
+// does not serve (a member that is unbound or refused, a group that differs by
 // name, a dead group, a 0-d shard, or any bucket while prefetched outputs are
 // parked in Python) is handed, whole, to the Python kernel
 // (torch_ce::gather_python), which raises the clear errors, runs the
-// collective fallbacks and owns the park. While a CUDA graph is being captured
+// collective fallbacks and owns the park; its bound members come back here
+// through torch_ce_native::gather_bound. While a CUDA graph is being captured
 // the copies go out one cudaMemcpyAsync each (capturable) and the outputs are
-// not record_stream'd
-// (a block with a pending stream use stays allocated in the graph's pool after
-// capture, which CUDA-graph trees reject): the consumer's wait_tensor joins
-// the copy streams back before any use or free of the outputs.
+// not record_stream'd (a block with a pending stream use stays allocated in
+// the graph's pool after capture, which CUDA-graph trees reject): the
+// consumer's wait_tensor joins the copy streams back before any use or free of
+// the outputs.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -69,7 +75,8 @@ std::mutex g_mu;
 std::unordered_map<uintptr_t, std::shared_ptr<const Slot>> g_slots;
 std::atomic<bool> g_split_local{true};
 // Set while prefetched outputs are parked in Python (NOTE [cross-call prefetch] in
-// torch_ce/prefetch.py): every bucket then goes to the Python kernel, which owns the park.
+// torch_ce/runtime/prefetch.py): every bucket then goes to the Python kernel,
+// which owns the park.
 std::atomic<bool> g_prefetch_pending{false};
 
 // Two copy streams per device: peer reads, and this rank's own rows.
@@ -217,13 +224,10 @@ bool resolve(at::TensorList shards, int64_t group_size,
   return true;
 }
 
-std::vector<at::Tensor> ce_all_gather_coalesced_cuda(
-    at::TensorList shards, int64_t group_size, c10::string_view group_name) {
-  std::vector<std::shared_ptr<const Slot>> slots;
-  if (g_prefetch_pending.load(std::memory_order_relaxed) ||
-      !resolve(shards, group_size, group_name, slots))
-    return gather_python(shards, group_size, group_name);
-
+// The copies of a bucket whose members all resolved to ``slots``.
+std::vector<at::Tensor> gather_slots(
+    at::TensorList shards, int64_t group_size,
+    const std::vector<std::shared_ptr<const Slot>>& slots) {
   const int device = shards[0].device().index();
   const c10::cuda::CUDAGuard guard(shards[0].device());  // events and streams live there
   const auto cur = c10::cuda::getCurrentCUDAStream(device);
@@ -300,6 +304,45 @@ std::vector<at::Tensor> ce_all_gather_coalesced_cuda(
   return outs;
 }
 
+std::vector<at::Tensor> ce_all_gather_coalesced_cuda(
+    at::TensorList shards, int64_t group_size, c10::string_view group_name) {
+  std::vector<std::shared_ptr<const Slot>> slots;
+  if (g_prefetch_pending.load(std::memory_order_relaxed) ||
+      !resolve(shards, group_size, group_name, slots))
+    return gather_python(shards, group_size, group_name);
+  return gather_slots(shards, group_size, slots);
+}
+
+// The Python kernel's way back for the bound CUDA members of a bucket it
+// handled (it checked the group and took any parked outputs): every member
+// must be in the registry, whatever the group's name and the park's state.
+std::vector<at::Tensor> gather_bound(at::TensorList shards,
+                                     int64_t group_size) {
+  TORCH_CHECK(!shards.empty(), "torch_ce: gather_bound: empty bucket");
+  std::vector<std::shared_ptr<const Slot>> slots;
+  slots.reserve(shards.size());
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    for (const auto& s : shards) {
+      TORCH_CHECK(s.is_cuda() && s.device() == shards[0].device() && s.dim() > 0,
+                  "torch_ce: gather_bound: members must be CUDA tensors of one device, "
+                  "at least 1-d");
+      auto it = g_slots.find(reinterpret_cast<uintptr_t>(s.data_ptr()));
+      TORCH_CHECK(it != g_slots.end(),
+                  "torch_ce: gather_bound: a member is not in the C++ slot "
+                  "registry (registered only through windows.register)");
+      const Slot& slot = *it->second;
+      TORCH_CHECK(slot.dtype == s.scalar_type() && s.sizes().equals(slot.shape) &&
+                      s.is_contiguous() &&
+                      static_cast<int64_t>(slot.peer_ptrs.size()) == group_size,
+                  "torch_ce: gather_bound: a member does not match its slot "
+                  "(dtype, shape, contiguity or group size)");
+      slots.push_back(it->second);
+    }
+  }
+  return gather_slots(shards, group_size, slots);
+}
+
 at::Tensor ce_all_gather_cuda(const at::Tensor& shard, int64_t group_size,
                               c10::string_view group_name) {
   return ce_all_gather_coalesced_cuda({shard}, group_size, group_name)[0];
@@ -322,6 +365,11 @@ void register_slot(int64_t key, std::vector<int64_t> peer_ptrs, int64_t rank,
   slot->group_name = std::move(group_name);
   std::lock_guard<std::mutex> lk(g_mu);
   g_slots[static_cast<uintptr_t>(key)] = std::move(slot);
+}
+
+void unregister_slot(int64_t key) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_slots.erase(static_cast<uintptr_t>(key));
 }
 
 void clear_slots() {
@@ -348,7 +396,10 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("register_slot(int key, int[] peer_ptrs, int rank, int nbytes, "
         "ScalarType dtype, int[] shape, str group_name) -> ()",
         &register_slot);
+  m.def("unregister_slot(int key) -> ()", &unregister_slot);
   m.def("clear_slots() -> ()", &clear_slots);
+  m.def("gather_bound(Tensor[] shards, int group_size) -> Tensor[]",
+        &gather_bound);
   m.def("slot_count() -> int", &slot_count);
   m.def("set_split_local_copy(bool split) -> ()", &set_split_local_copy);
   m.def("set_prefetch_pending(bool pending) -> ()", &set_prefetch_pending);

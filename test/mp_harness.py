@@ -157,21 +157,23 @@ def reference_all_gather(t, group=None):
     return out
 
 
-def count_submissions() -> dict:
-    """Wrap the CUDA library's two submission paths (as the Python kernel calls them) to
-    count calls: {"batch": n, "per_peer": n}. The C++ kernels submit without them."""
-    from torch_ce.runtime import _cuda_lib
+def count_gathers() -> dict:
+    """Count the gathers of bound slots by the path that ran them: {"native": n} for the
+    Python kernel's hand-backs to the C++ kernel, {"torch": n} for per-peer ``copy_``
+    buckets (host transport, opted-in CUDA fallback). The C++ kernel's own gathers pass
+    through neither."""
+    from torch_ce.runtime import gather, native
 
-    counts = {"batch": 0, "per_peer": 0}
-    real_batch, real_peer = _cuda_lib.memcpy_batch, _cuda_lib.memcpy_peer_fallback
+    counts = {"native": 0, "torch": 0}
+    real_native, real_torch = native.gather_bound, gather.copy_peers
 
-    def batch(*a, **k):
-        counts["batch"] += 1
-        return real_batch(*a, **k)
+    def native_(*a, **k):
+        counts["native"] += 1
+        return real_native(*a, **k)
 
-    def per_peer(*a, **k):
-        counts["per_peer"] += 1
-        return real_peer(*a, **k)
+    def torch_(*a, **k):
+        counts["torch"] += 1
+        return real_torch(*a, **k)
 
-    _cuda_lib.memcpy_batch, _cuda_lib.memcpy_peer_fallback = batch, per_peer
+    native.gather_bound, gather.copy_peers = native_, torch_
     return counts

@@ -1,6 +1,6 @@
 """The C++ gather kernels (csrc/ce_torch.cpp, NOTE [native gather path]) on CUDA.
 
-One GPU: a single rank with loopback slots (``native.register_loopback``: the "peer" copy
+One GPU: a single rank with loopback slots (``cuda_helpers.register_loopback``: the "peer" copy
 is a second local tensor, since symmetric memory refuses two ranks on one device) checks
 the kernel's mechanics exactly against ``torch.cat``: registry, both copy streams, events,
 the batch submission, the c10d work, the hand-off to the Python kernel, graph capture and
@@ -17,13 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_harness import count_submissions, reference_all_gather, run_ranks
+from cuda_helpers import register_loopback
+from mp_harness import count_gathers, reference_all_gather, run_ranks
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(
         not any(f.startswith("_ce_torch") for f in os.listdir(os.path.join(
-            os.path.dirname(__file__), "..", "torch_ce"))),
+            os.path.dirname(__file__), "..", "torch_ce", "runtime"))),
         reason="the C++ gather kernels are not built (CPU torch or no nvcc)"),
 ]
 
@@ -104,13 +105,11 @@ LOOP_SPECS = (((128, 64), torch.float32), ((4096,), torch.bfloat16),
 
 def _loop_pairs(dev, gen, pos):
     """(mine, peer, expected) per spec; ``pos`` is this rank's position in the pair."""
-    from torch_ce.runtime import native
-
     pairs = []
     for shape, dtype in LOOP_SPECS:
         mine = torch.randn(shape, generator=gen, device=dev).to(dtype)
         peer = torch.randn(shape, generator=gen, device=dev).to(dtype)
-        native.register_loopback(mine, peer, dist.group.WORLD, pos)
+        register_loopback(mine, peer, dist.group.WORLD, pos)
         pairs.append((mine, peer))
     return pairs
 
@@ -126,7 +125,7 @@ def _loop_exact(rank, world):
     gen = torch.Generator(device=dev).manual_seed(os.getpid())
     name = dist.group.WORLD.group_name
     res = dict(loaded=native.loaded())
-    py = count_submissions()
+    py = count_gathers()
     keep = []  # every registered tensor stays alive: no address is reused under a stale entry
     for pos in (0, 1):
         for split in (True, False):
@@ -260,13 +259,13 @@ def _exact(rank, world):
     name = dist.group.WORLD.group_name
     refs = [_ref(s) for s in shards]
     res = dict(loaded=native.loaded(), slots=native.slot_count())
-    py = count_submissions()
+    py = count_gathers()
     singles = [_wait(torch.ops.magi.ce_all_gather(s, world, name)).cpu() for s in shards]
     outs = [_wait(o).cpu() for o in torch.ops.magi.ce_all_gather_coalesced(shards, world, name)]
     res["python_submissions_native"] = sum(py.values())
     res["single_exact"] = [bool(torch.equal(a, b)) for a, b in zip(singles, refs)]
     res["coalesced_exact"] = [bool(torch.equal(a, b)) for a, b in zip(outs, refs)]
-    # The Python kernel gives the same bits (and goes through its own submissions).
+    # The Python kernel gives the same bits (it hands its bound members back to C++).
     pys = [_wait(o).cpu() for o in torch.ops.torch_ce.gather_python(shards, world, name)]
     res["python_exact"] = [bool(torch.equal(a, b)) for a, b in zip(pys, refs)]
     res["python_submissions_python"] = sum(py.values())

@@ -2,9 +2,8 @@
 (symmetric-memory windows, cudaMemcpyBatchAsync peer reads) with NCCL process groups.
 
 Skipped unless 2 GPUs are visible; runs with plain ``pytest test/test_ops_cuda.py``.
-Every gather is compared EXACTLY with NCCL's all_gather_into_tensor of the same shards.
-The ordering test carries negative controls (the same sequence without the ordering the
-transport provides) to show that it can fail.
+Every gather is compared EXACTLY with NCCL's all_gather_into_tensor of the same shards,
+through the C++ kernels and through the opted-in pure-torch fallback.
 """
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_harness import count_submissions, run_ranks
+from mp_harness import count_gathers, run_ranks
 from mp_harness import reference_all_gather as _ref_gather
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -55,32 +54,23 @@ def _windows_overlap(t) -> bool:
 
 
 # ---------------------------------------------------------------------------------------
-# Exact gathers (batched and per-peer submission)
+# Exact gathers (the C++ kernel, the pure-torch fallback)
 # ---------------------------------------------------------------------------------------
 
 
-def _rank_cuda_exact(rank, ws, base, batched):
+def _rank_cuda_exact(rank, ws, base, kind):
     import torch_ce
     import torch_ce.runtime.windows as W
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    from torch_ce.runtime import _cuda_lib, native
+    from torch_ce.runtime import native
 
     dev = torch.device("cuda", rank)
-    if batched == "native":
+    if kind == "native":
         assert native.loaded(), "the C++ gather kernels are not loaded"
-        kind = "native"
-    elif batched:
-        assert not native.loaded()  # TORCH_CE_NATIVE=0: the Python kernel's paths
-        assert _cuda_lib.batch_supported(), (
-            f"cudaMemcpyBatchAsync path unavailable: built={_cuda_lib.is_built()}"
-        )
-        kind = "batch"
-    else:
-        assert _cuda_lib.is_built(), "the CUDA library is not built"
-        _cuda_lib.batch_supported = lambda: False  # force one cudaMemcpyAsync per read
-        kind = "per_peer"
-    counts = count_submissions()
+    else:  # TORCH_CE_NATIVE=0 with TORCH_CE_CUDA_TORCH_FALLBACK=1: per-peer copy_
+        assert not native.loaded() and torch_ce.config.cuda_torch_fallback
+    counts = count_gathers()
     gen = torch.Generator(device=dev).manual_seed(base + rank)
     mesh = init_device_mesh("cuda", (ws,))
     mesh_name = mesh.get_group(0).group_name
@@ -125,8 +115,8 @@ def _rank_cuda_exact(rank, ws, base, batched):
         assert torch.equal(out, ref), f"{name}: differs from NCCL all_gather_into_tensor"
         assert out.data_ptr() != shard.data_ptr() and not _windows_overlap(out), f"{name}: output in a window"
 
-    # Count only the ops' submissions (binding also times a few gathers to calibrate).
-    counts.update(batch=0, per_peer=0)
+    # Count only the ops' gathers (binding also times a few gathers to calibrate).
+    counts.update(native=0, torch=0)
     calls = 0
     python_calls = 0  # the C++ kernel hands a group named differently from the bind to Python
     for n, t in locals_.items():
@@ -143,11 +133,13 @@ def _rank_cuda_exact(rank, ws, base, batched):
     calls += 1
     for i, o in enumerate(outs):
         check(f"plain{i}", _wait(o), plain[i], plain_refs[i])
-    # One submission per op call (one bucket), through the expected path only.
+    # The C++ kernel serves every bucket itself but the ones named by another group's
+    # name (the Python kernel checks the group and hands them back); the fallback copies
+    # once per bucket.
     if kind == "native":
-        assert sum(counts.values()) == python_calls, (counts, python_calls)
+        assert counts == {"native": python_calls, "torch": 0}, (counts, python_calls)
     else:
-        assert counts[kind] == calls and sum(counts.values()) == calls, counts
+        assert counts == {"native": 0, "torch": calls}, (counts, calls)
 
     # Writing an output changes no shard here or on the peer.
     for o in outs:
@@ -171,16 +163,20 @@ def _rank_cuda_exact(rank, ws, base, batched):
     return dict(counts)
 
 
-@pytest.mark.parametrize("batched", [True, False, "native"], ids=["batched", "per_peer", "native"])
-def test_cuda_gather_exact(batched):
-    """The Python kernel's two submission paths (TORCH_CE_NATIVE=0), and the C++ kernel."""
-    if batched == "native":
-        from torch_ce.runtime import native
+def _require_kernels():
+    from torch_ce.runtime import native
 
-        if native.library_path() is None:
-            pytest.skip("the C++ gather kernels are not built")
-    env = None if batched == "native" else {"TORCH_CE_NATIVE": "0"}
-    run_ranks(_rank_cuda_exact, WS, _base(), batched, backend="nccl", timeout=300, env=env)
+    if native.library_path() is None:
+        pytest.skip("the C++ gather kernels are not built")
+
+
+@pytest.mark.parametrize("kind", ["native", "torch_fallback"])
+def test_cuda_gather_exact(kind):
+    """The C++ kernel, and the opted-in pure-torch fallback (TORCH_CE_NATIVE=0)."""
+    if kind == "native":
+        _require_kernels()
+    env = None if kind == "native" else {"TORCH_CE_NATIVE": "0", "TORCH_CE_CUDA_TORCH_FALLBACK": "1"}
+    run_ranks(_rank_cuda_exact, WS, _base(), kind, backend="nccl", timeout=300, env=env)
 
 
 # ---------------------------------------------------------------------------------------
@@ -188,20 +184,11 @@ def test_cuda_gather_exact(batched):
 # ---------------------------------------------------------------------------------------
 
 
-class _NoWaitStream(torch.cuda.Stream):
-    """A copy stream that forgets to wait on the current stream (negative control)."""
-
-    def wait_stream(self, stream):  # noqa: ARG002
-        pass
-
-    def wait_event(self, event):  # noqa: ARG002
-        pass
-
-
 def _rank_cuda_ordering(rank, ws, base):
     import torch_ce
-    from torch_ce.runtime import cuda as tr
+    from torch_ce.runtime import native
 
+    assert native.loaded(), "the C++ gather kernels are not loaded"
     dev = torch.device("cuda", rank)
     gen = torch.Generator(device=dev).manual_seed(base + rank)
     s = _rand((4096, 2048), torch.float32, gen)  # 32 MiB per rank
@@ -213,67 +200,40 @@ def _rank_cuda_ordering(rank, ws, base):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
-    def producer_then_gather():
-        """Heavy work on the current stream, then a write into the block that the
-        output will get (the allocator hands the same block back), then the gather."""
-        x = torch.empty_like(ref)
-        ptr = x.data_ptr()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        x.fill_(SENTINEL)  # queued behind the sleep
-        del x
-        out = torch.ops.magi.ce_all_gather(s, ws, gname)
-        assert out.data_ptr() == ptr, "the output did not reuse the producer's block"
-        got = _wait(out).clone()  # consumer on the current stream
-        torch.cuda.synchronize()
-        return got
-
-    # 1. The copies wait for the current stream's pending work on the output's memory.
+    # 1. The copies wait for the current stream's pending work on the output's memory:
+    # heavy work on the current stream, then a write into the block that the output will
+    # get (the allocator hands the same block back), then the gather.
     fresh_start()
-    assert torch.equal(producer_then_gather(), ref), "copies overtook the current stream's work"
-    # Negative control: a copy stream that does not wait. The copies finish during the
-    # sleep and the queued fill overwrites them, so the same check must fail.
-    fresh_start()
-    real = tr.copy_stream
-    nowait = _NoWaitStream(device=dev)
-    tr.copy_stream = lambda device: nowait
-    try:
-        bad = producer_then_gather()
-    finally:
-        tr.copy_stream = real
-    assert not torch.equal(bad, ref), "negative control: a copy stream that skips the wait went unnoticed"
-
-    # 2. wait_tensor orders the consumer after the copies (the copy stream is held back).
-    fresh_start()
-    side = tr.copy_stream(dev)
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(SLEEP_CYCLES)
+    x = torch.empty_like(ref)
+    ptr = x.data_ptr()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    x.fill_(SENTINEL)  # queued behind the sleep
+    del x
     out = torch.ops.magi.ce_all_gather(s, ws, gname)
-    got = _wait(out).clone()
+    assert out.data_ptr() == ptr, "the output did not reuse the producer's block"
+    got = _wait(out).clone()  # consumer on the current stream
     torch.cuda.synchronize()
-    assert torch.equal(got, ref), "the consumer read the output before the copies finished"
-    del out, got
-    # Negative control: the same read without wait_tensor sees the block's old contents.
+    assert torch.equal(got, ref), "copies overtook the current stream's work"
+
+    # 2. wait_tensor orders the consumer after the copies: the consumer is issued at once,
+    # while 32 MiB of peer reads are still running, over a block that held SENTINEL.
     fresh_start()
     x = torch.full_like(ref, SENTINEL)
     ptr = x.data_ptr()
     del x
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(SLEEP_CYCLES)
     out = torch.ops.magi.ce_all_gather(s, ws, gname)
     assert out.data_ptr() == ptr
-    early = out.clone()  # no wait_tensor: runs while the copies sit behind the sleep
-    late = _wait(out).clone()
+    got = _wait(out).clone()
     torch.cuda.synchronize()
-    assert torch.equal(late, ref)
-    assert not torch.equal(early, ref), "negative control: an unwaited read saw the finished copies"
+    assert torch.equal(got, ref), "the consumer read the output before the copies finished"
     return True
 
 
 def test_cuda_stream_ordering():
-    """The Python kernel's stream order, with its controls (the C++ kernel's order is
-    checked in test_native_cuda.py)."""
-    run_ranks(_rank_cuda_ordering, WS, _base(), backend="nccl", timeout=300,
-              env={"TORCH_CE_NATIVE": "0"})
+    """The C++ kernel's stream order on real windows (its controls, an unwaited read, are
+    in test_native_cuda.py)."""
+    _require_kernels()
+    run_ranks(_rank_cuda_ordering, WS, _base(), backend="nccl", timeout=300)
 
 
 # ---------------------------------------------------------------------------------------
@@ -320,6 +280,7 @@ def _rank_cuda_memory(rank, ws, base):
 
 
 def test_cuda_no_second_copy():
+    _require_kernels()
     numbers = run_ranks(_rank_cuda_memory, WS, _base(), backend="nccl", timeout=300)
     for n in numbers:
         print("torch_ce bind memory:", {k: (f"{v / 2**20:.1f} MiB" if "byte" in k or "delta" in k or "drop" in k else v)

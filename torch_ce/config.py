@@ -11,6 +11,9 @@ import dataclasses
 import os
 from typing import Any, Iterator
 
+# Fields that change what a bind or a calibration does at run time, never the compiled
+# graph: left out of the compile-cache key.
+RUN_TIME_ONLY = ("cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "cuda_torch_fallback")
 TRANSPORTS = ("nccl", "copy_engine")
 COST_MODES = ("calibrated", "default")
 
@@ -48,6 +51,9 @@ class Config:
     # for peers that may still be compiling. A failure on a peer is seen at once.
     bind_timeout_s: float = 30.0
     bind_arrival_timeout_s: float = 600.0
+    # Without the C++ gather kernels, CUDA weights stay on NCCL; True gathers them by
+    # per-peer copy_ instead (slower than NCCL: for debugging, not for speed).
+    cuda_torch_fallback: bool = False
 
     def validate(self) -> "Config":
         if self.transport not in TRANSPORTS:
@@ -96,10 +102,9 @@ class Config:
         return patch(**overrides)
 
     def cache_key(self) -> tuple:
-        """The values that change what the passes emit (the cache dir and the bind's
-        timeouts do not)."""
+        """The values that change what the passes emit (the run-time-only ones do not)."""
         d = dataclasses.asdict(self)
-        for run_time_only in ("cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s"):
+        for run_time_only in RUN_TIME_ONLY:
             d.pop(run_time_only)
         return tuple(sorted(d.items()))
 

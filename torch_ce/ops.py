@@ -9,9 +9,10 @@ can be retargeted without rebuilding its args:
 Output: a fresh tensor of ``group_size * shard.shape[0]`` rows, rank r's shard at row
 ``r * rows``. The shard must have been bound (``torch_ce.bind`` or the compiled bind step);
 a shard whose binding was refused by agreement is gathered by the group's collective
-backend instead (NOTE [agreement before anything moves] in binding.py). On CUDA the
-outputs carry c10d work: ``_c10d_functional.wait_tensor`` orders the consumer after the
-copies. The host transport (CPU) completes before returning.
+backend instead (NOTE [agreement before anything moves] in binding.py). On CUDA the C++
+kernels' outputs carry c10d work: ``_c10d_functional.wait_tensor`` orders the consumer
+after the copies. The host transport (CPU) and the opted-in pure-torch CUDA fallback copy
+on the current stream (runtime/gather.py).
 
     magi::ce_bind(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names,
                   str[] reasons) -> ()
@@ -34,6 +35,7 @@ import torch
 
 from .runtime import native, prefetch
 from .runtime import windows as W
+from .runtime.gather import gather_slots
 
 _FUNCTIONAL = torch.ops._c10d_functional
 
@@ -78,10 +80,6 @@ def _check_live(group_name: str) -> None:
         ) from e
 
 
-def _out_like(t: torch.Tensor, group_size: int) -> torch.Tensor:
-    return t.new_empty((group_size * t.shape[0], *t.shape[1:]))
-
-
 def gather(shards: Sequence[torch.Tensor], group_size: int, group_name: str) -> list[torch.Tensor]:
     """Gather a bucket: bound members by one-sided reads (one submission), the rest by
     the collective backend in program order (identical on every rank)."""
@@ -110,12 +108,7 @@ def gather(shards: Sequence[torch.Tensor], group_size: int, group_name: str) -> 
         else:
             raise _unbound_error(s, group_name)
     if slots:
-        bouts = [_out_like(shards[i], group_size) for i in bound_idx]
-        if bouts[0].device.type == "cuda":
-            from .runtime import cuda as tr
-        else:
-            from .runtime import host as tr
-        tr.gather_into(bouts, slots)
+        bouts = gather_slots([shards[i] for i in bound_idx], slots, group_size)
         for i, o in zip(bound_idx, bouts):
             outs[i] = o
     return outs  # type: ignore[return-value]

@@ -124,10 +124,9 @@ def main() -> int:
             C.check("import torchtitan.experiments.graph_trainer.simple_fsdp", False, repr(e))
             return _finish(C, world, t0)
         from torch.distributed.tensor import DTensor, Shard
-        from torch_ce.runtime import _cuda_lib
+        from torch_ce.runtime import native
 
-        if not C.check("CUDA library built", _cuda_lib.is_built(), _cuda_lib.library_path() or
-                       "run `pip install --no-build-isolation -e .` with nvcc"):
+        if not C.check("C++ gather kernels loaded", native.load(), native.kernel_path("cuda")):
             return _finish(C, world, t0)
 
         torch.manual_seed(1234)  # same weights on every rank

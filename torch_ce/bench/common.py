@@ -432,16 +432,10 @@ def env_info(world_size: int | None = None) -> dict:
         info["torch_error"] = repr(e)
     try:
         import torch_ce
-        from torch_ce.runtime import _cuda_lib, native
+        from torch_ce.runtime import native
 
         info["torch_ce"] = torch_ce.__version__
-        info["ce_lib_built"] = _cuda_lib.is_built()
-        info["ce_gather_kernel"] = "C++" if native.loaded() else "Python"
-        if _device is not None and _device.type == "cuda":
-            try:
-                info["ce_batch_supported"] = bool(_cuda_lib.batch_supported())
-            except Exception as e:
-                info["ce_batch_supported"] = f"error: {e}"
+        info["ce_gather_kernel"] = native.kernel_path(_device.type if _device is not None else "cpu")
     except Exception as e:
         info["torch_ce_error"] = repr(e)
     for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "CUDA_VISIBLE_DEVICES"):

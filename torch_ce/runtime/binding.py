@@ -81,7 +81,7 @@ def local_reason(t: torch.Tensor, group, min_shard_bytes: int | None = None) -> 
     return shard_refusal(
         device_type=t.device.type, nbytes=t.numel() * t.element_size(), numel=t.numel(),
         dim=t.dim(), contiguous=t.is_contiguous(), group_size=dist.get_world_size(group), cfg=cfg,
-        kernel_refusal=getattr(native, "kernel_refusal", None))
+        kernel_refusal=native.kernel_refusal)
 
 
 class _MinBytes:

@@ -7,7 +7,9 @@ cost = wait(launch()). Sizing the overlap window by the launch alone undersizes 
 order of magnitude. The curve latency + (group_size - 1) * bytes_per_rank / bandwidth is
 measured at run time on the real windows right after they are published (``calibrate``),
 kept per (device model, group size, link) and cached on disk for later compiles. Before any
-calibration the default curve below (our 2 x H200 NV18 measurements) is used.
+calibration the default curve below (our 2 x H200 NV18 measurements) is used, and so it is
+after a calibration (or a cached curve) that cannot be a real link's: not monotonic in
+bytes, or faster than the link's physical bandwidth (``implausible``; a warning says why).
 
 Which decisions must match across ranks: NCCL gathers are costed only from rank-identical
 inputs (Inductor's analytical estimate); CE gathers may use this rank's calibration, since
@@ -65,7 +67,7 @@ def curve_for(device_type: str, group_size: int, device: torch.device | None = N
     """The calibrated curve for this link if known (memory, then disk), else the default."""
     from ..config import config
 
-    default = DEFAULT_CE_CURVE if device_type == "cuda" else DEFAULT_HOST_CURVE
+    default = _default(device_type)
     if config.cost_mode != "calibrated":
         return default
     try:
@@ -80,10 +82,18 @@ def curve_for(device_type: str, group_size: int, device: torch.device | None = N
             d = json.load(f)
         # "cached", not "calibrated": a process with windows of its own still calibrates
         # once (calibrate() skips only its own in-process fit).
-        _curves[key] = Curve(d["latency_us"], d["gbps"], "cached")
-        return _curves[key]
-    except (OSError, ValueError, KeyError):
+        cached = Curve(float(d["latency_us"]), float(d["gbps"]), "cached")
+        points = [tuple(p) for p in d.get("points", [])]
+        why = implausible(points, cached, _bound(dev))
+    except (OSError, ValueError, KeyError, TypeError):
         return default
+    if why is not None:
+        log.warning("torch_ce: cached CE gather cost %s rejected (%.1f us + bytes / %.0f GB/s): "
+                    "%s; using %s", _cache_path(key), cached.latency_us, cached.gbps, why,
+                    default.source)
+        cached = default
+    _curves[key] = cached
+    return cached
 
 
 def fit(points: list[tuple[int, float]]) -> Curve:
@@ -126,46 +136,60 @@ def time_wait_launch(launch: Callable[[], object], wait: Callable[[object], obje
 # The largest ladder point must read at least this much from peers, else no calibration.
 MIN_CALIBRATION_BYTES = 16 * 2**20
 
+# Peer bytes into one device can arrive no faster than its links carry them. GB/s per
+# direction into one GPU, by a substring of the device name (first match wins).
+LINK_GBPS = (
+    ("H100", 18 * 26.5),  # NVLink4: 18 links x 26.5 GB/s = 477 GB/s
+    ("H200", 18 * 26.5),
+    ("H800", 8 * 26.5),  # NVLink4 with 8 links
+    ("B200", 18 * 50.0),  # NVLink5
+    ("B300", 18 * 50.0),
+    ("A100", 12 * 25.0),  # NVLink3
+    ("A800", 8 * 25.0),
+)
+UNKNOWN_GPU_LINK_GBPS = 1800.0  # generous: no known link is faster
+HOST_MEMCPY_GBPS = 500.0  # generous for one memcpy stream through shared memory
+# A fit may exceed the physical bound by this factor (timer noise) before it is rejected.
+LINK_MARGIN = 1.10
+# A ladder point (4x the bytes of the previous) may time down to this factor of the
+# previous one (noise) before the ladder counts as not monotonic in bytes.
+MONOTONIC_SLACK = 0.5
 
-def calibrate(slot, sizes_mib=(1, 4, 16, 64)) -> Curve | None:
-    """Time wait(launch()) on the real windows of a just-published ``slot``'s window.
 
-    Reads prefixes of the peers' windows (up to the window's size) into a scratch buffer
-    with the same transport the ops use. Local to this rank: no collective. A window
-    smaller than ``MIN_CALIBRATION_BYTES`` of peer reads is not calibrated (returns None).
-    """
-    from . import cuda as cuda_transport, host as host_transport, windows as W
+def link_bound_gbps(device_type: str, device_name: str = "") -> float:
+    """The physical bound on peer bytes into one device, GB/s (before ``LINK_MARGIN``)."""
+    if device_type != "cuda":
+        return HOST_MEMCPY_GBPS
+    for sub, gbps in LINK_GBPS:
+        if sub in device_name:
+            return gbps
+    return UNKNOWN_GPU_LINK_GBPS
 
-    w = slot.window
-    dev = w.device
-    key = link_key(dev, w.group_size)
-    if key in _curves and _curves[key].source == "calibrated":
-        return _curves[key]
-    points = []
-    for mib in sizes_mib:
-        nbytes = min(int(mib * 2**20), w.nbytes) // 512 * 512
-        if nbytes <= 0 or (points and nbytes == points[-1][0] // (w.group_size - 1)):
-            continue
-        probe = W.Slot(w, 0, nbytes, (nbytes,), torch.uint8, "calibration")
-        tr = cuda_transport if dev.type == "cuda" else host_transport
-        tr.publish_slot(probe)
 
-        def launch(probe=probe, nbytes=nbytes):
-            out = torch.empty(w.group_size * nbytes, dtype=torch.uint8, device=dev)
-            tr.gather_into([out], [probe])
-            return out
+def implausible(points: list, curve: Curve, bound_gbps: float) -> str | None:
+    """Why a calibration cannot be a real link's (None: plausible): a ladder that gets
+    faster with more bytes (seen on H200: 311 us at 1 MiB, 79 us at 16 MiB), or a fit
+    faster than the link."""
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if t1 < MONOTONIC_SLACK * t0:
+            return (f"not monotonic in bytes: {t0:.1f} us at {b0} B but {t1:.1f} us at {b1} B "
+                    f"(points {points})")
+    if curve.gbps > bound_gbps * LINK_MARGIN:
+        return (f"{curve.gbps:.0f} GB/s exceeds the link's {bound_gbps:.0f} GB/s "
+                f"(x{LINK_MARGIN} margin; points {points})")
+    return None
 
-        us = time_wait_launch(launch, torch.ops._c10d_functional.wait_tensor, dev)
-        points.append(((w.group_size - 1) * nbytes, us))
-    if len(points) < 2 or points[-1][0] < MIN_CALIBRATION_BYTES:
-        # A short ladder is all latency and noise: its slope is no bandwidth. Such a fit
-        # (16.9 GB/s from a test's KiB-sized window, cached on disk) steered the e2e runs
-        # 8-10 (docs/perf-notes.md, "the calibration in the e2e process").
-        log.debug("torch_ce: window of %d B too small to calibrate the CE cost (needs %d B "
-                  "of peer reads); keeping %s", w.nbytes, MIN_CALIBRATION_BYTES,
-                  curve_for(dev.type, w.group_size, dev).source)
-        return None
+
+def adopt(key: str, points: list, bound_gbps: float, default: Curve) -> Curve:
+    """Fit ``points`` (peer bytes, us) for link ``key``; keep and cache the fit if it is
+    plausible, else warn with the numbers and use ``default``."""
     c = fit(points)
+    why = implausible(points, c, bound_gbps)
+    if why is not None:
+        log.warning("torch_ce: calibrated CE gather cost for %s rejected (%.1f us + bytes / "
+                    "%.0f GB/s): %s; using %s", key, c.latency_us, c.gbps, why, default.source)
+        _curves[key] = default
+        return default
     _curves[key] = c
     try:
         path = _cache_path(key)
@@ -179,6 +203,56 @@ def calibrate(slot, sizes_mib=(1, 4, 16, 64)) -> Curve | None:
         log.debug("torch_ce: could not cache the cost curve: %s", e)
     log.info("torch_ce: calibrated CE gather cost for %s: %.1f us + bytes / %.0f GB/s", key, c.latency_us, c.gbps)
     return c
+
+
+def _default(device_type: str) -> Curve:
+    return DEFAULT_CE_CURVE if device_type == "cuda" else DEFAULT_HOST_CURVE
+
+
+def _bound(device: torch.device) -> float:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return link_bound_gbps(device.type, name)
+
+
+def calibrate(slot, sizes_mib=(1, 4, 16, 64)) -> Curve | None:
+    """Time wait(launch()) on the real windows of a just-published ``slot``'s window.
+
+    Gathers prefixes of the peers' windows (up to the window's size) with the ops
+    themselves (``magi::ce_all_gather`` on a probe registered at the window's start), so
+    the curve is the one the compiled gathers follow. Local to this rank: no collective.
+    A window smaller than ``MIN_CALIBRATION_BYTES`` of peer reads is not calibrated
+    (returns None); an implausible ladder gives the built-in curve (``adopt``).
+    """
+    from . import cuda as cuda_transport, host as host_transport, windows as W
+
+    w = slot.window
+    dev = w.device
+    key = link_key(dev, w.group_size)
+    if key in _curves and _curves[key].source == "calibrated":
+        return _curves[key]
+    tr = cuda_transport if dev.type == "cuda" else host_transport
+    gather = torch.ops.magi.ce_all_gather
+    points = []
+    for mib in sizes_mib:
+        nbytes = min(int(mib * 2**20), w.nbytes) // 512 * 512
+        if nbytes <= 0 or (points and nbytes == points[-1][0] // (w.group_size - 1)):
+            continue
+        probe_slot = W.Slot(w, 0, nbytes, (nbytes,), torch.uint8, "calibration")
+        tr.publish_slot(probe_slot)
+        probe = w.local[:nbytes]
+        with W.registered_probe(probe, probe_slot):
+            us = time_wait_launch(lambda: gather(probe, w.group_size, w.group.group_name),
+                                  torch.ops._c10d_functional.wait_tensor, dev)
+        points.append(((w.group_size - 1) * nbytes, us))
+    if len(points) < 2 or points[-1][0] < MIN_CALIBRATION_BYTES:
+        # A short ladder is all latency and noise: its slope is no bandwidth. Such a fit
+        # (16.9 GB/s from a test's KiB-sized window, cached on disk) steered the e2e runs
+        # 8-10 (docs/perf-notes.md, "the calibration in the e2e process").
+        log.debug("torch_ce: window of %d B too small to calibrate the CE cost (needs %d B "
+                  "of peer reads); keeping %s", w.nbytes, MIN_CALIBRATION_BYTES,
+                  curve_for(dev.type, w.group_size, dev).source)
+        return None
+    return adopt(key, points, _bound(dev), _default(dev.type))
 
 # ---------------------------------------------------------------------------------------
 # Device peaks (for the compile side's roofline; passes/cost.py reads them)

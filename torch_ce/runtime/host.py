@@ -84,17 +84,10 @@ def _typed_view(mm: mmap.mmap, slot: Slot) -> torch.Tensor:
 
 
 def publish_slot(slot: Slot) -> None:
-    """Fill the slot's peer views (typed views of every rank's copy of the shard)."""
+    """Fill the slot's peer views (typed views of every rank's copy of the shard): what the
+    gather reads (``copy_peers`` in runtime/gather.py)."""
     w = slot.window
     slot.peer_views = [
         w.peer_locals[r][slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
         for r in range(w.group_size)
     ]
-
-
-def gather_into(outs: list[torch.Tensor], slots: list[Slot]) -> None:
-    """One-sided reads: rank r's copy of each member lands at rows [r*rows, (r+1)*rows)."""
-    for out, slot in zip(outs, slots):
-        chunks = out.view(slot.group_size, *slot.shape)
-        for r, src in enumerate(slot.peer_views):
-            chunks[r].copy_(src)

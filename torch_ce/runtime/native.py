@@ -1,22 +1,39 @@
 """The C++ kernels of the magi gathers (csrc/ce_torch.cpp, NOTE [native gather path]).
 
 Loaded once, at import of ``torch_ce.ops``, when the library was built (CUDA build of
-torch and nvcc at install) and ``TORCH_CE_NATIVE`` is not 0. Loaded, it serves
-``magi::ce_all_gather[_coalesced]`` on CUDA and hands anything but bound shards to the
-Python kernel; not loaded, the Python kernel serves everything. The windows' slots are
-mirrored into its registry when they are published (``register_slot``).
+torch and nvcc at install) and ``TORCH_CE_NATIVE`` is not 0. Loaded, they are the one CUDA
+gather: ``magi::ce_all_gather[_coalesced]`` on CUDA, and the bound members of whatever
+bucket they hand to the Python kernel (``gather_bound``). Their slot index mirrors the
+registry of ``windows.py``, whose ``register``/``release_all`` alone write it.
+
+Not loaded, CUDA weights stay on the collective (``kernel_refusal`` refuses them at bind,
+with one loud warning) unless ``config.cuda_torch_fallback`` opts in to per-peer ``copy_``
+(runtime/gather.py). CPU weights need nothing compiled: the host transport's memcpy is
+their kernel.
 """
 from __future__ import annotations
 
 import glob
 import logging
 import os
+import threading
+import warnings
 
 import torch
 
+from .eligibility import Reason, Refusal, refusal
+
 log = logging.getLogger("torch_ce")
 
-_state: list = []  # [loaded: bool] once decided
+_state: list = []  # [loaded: bool, why not: str] once decided
+# Test hook: device types whose gather kernel counts as missing ("cpu" lets a CPU test
+# take the path a CUDA job without the C++ kernels takes).
+_force_unavailable: set[str] = set()
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+_FIX = ("install a CUDA build of torch and nvcc, then `pip install --no-build-isolation -e .` "
+        "from the torch_ce source tree (without TORCH_CE_SKIP_CUDA_BUILD; unset TORCH_CE_NATIVE=0)")
 
 
 def library_path() -> str | None:
@@ -25,7 +42,8 @@ def library_path() -> str | None:
 
 
 def load() -> bool:
-    """Load the C++ kernels once; False (with the reason logged) when they cannot serve."""
+    """Load the C++ kernels once; False (the reason kept for ``kernel_refusal``) when they
+    cannot serve."""
     if _state:
         return _state[0]
     ok, why = False, ""
@@ -34,18 +52,16 @@ def load() -> bool:
     elif torch.version.cuda is None:
         why = f"torch {torch.__version__} is a CPU build"
     elif library_path() is None:
-        why = "not built (needs nvcc and a CUDA build of torch at install)"
+        why = "csrc/ce_torch.cpp was not built (needs nvcc and a CUDA build of torch at install)"
     else:
         try:
             torch.ops.load_library(library_path())
             ok = True
         except (OSError, RuntimeError) as e:
             why = f"cannot load {library_path()}: {e}"
-            log.warning("torch_ce: the C++ gather kernels %s; the Python kernels serve "
-                        "(rebuild with `pip install --no-build-isolation -e .` against this torch)", why)
     if not ok:
         log.debug("torch_ce: C++ gather kernels not in use: %s", why)
-    _state[:] = [ok]
+    _state[:] = [ok, why]
     return ok
 
 
@@ -53,12 +69,79 @@ def loaded() -> bool:
     return bool(_state and _state[0])
 
 
+def _missing(device_type: str) -> str | None:
+    """Why ``device_type`` has no gather kernel here (None: it has one)."""
+    if device_type in _force_unavailable:
+        return f"disabled for {device_type!r} by native._force_unavailable (a test hook)"
+    if device_type == "cuda" and not load():
+        return _state[1]
+    return None
+
+
+def kernel_refusal(device_type: str) -> Refusal | None:
+    """Why a ``device_type`` shard must stay on the collective for want of a gather kernel
+    (None: a kernel serves it). Without the C++ kernels a CUDA gather would be per-peer
+    ``copy_`` calls (slower than NCCL), so they are refused unless
+    ``config.cuda_torch_fallback`` opts in; the first such refusal warns, loudly, once."""
+    why = _refusal(device_type)
+    if why is not None and why.code == Reason.NO_GATHER_KERNEL:
+        _warn_once(device_type, _missing(device_type))
+    return why
+
+
+def _refusal(device_type: str) -> Refusal | None:
+    from ..config import config
+
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return refusal(Reason.CUDA_UNAVAILABLE, "CUDA unavailable")
+    why = _missing(device_type)
+    if why is None or (device_type == "cuda" and config.cuda_torch_fallback):
+        return None
+    return refusal(Reason.NO_GATHER_KERNEL,
+                   f"no {device_type} gather kernel ({why}): stays on the collective")
+
+
+def _warn_once(device_type: str, why: str) -> None:
+    with _warn_lock:
+        if device_type in _warned:
+            return
+        _warned.add(device_type)
+    msg = (f"torch_ce: transport='copy_engine' but the C++ gather kernels (csrc/ce_torch.cpp) "
+           f"are not available: {why}. Every {device_type} weight gather stays on the "
+           f"collective backend (NCCL); nothing runs on the copy engines. To fix: {_FIX}. "
+           "To use the slow pure-torch fallback (per-peer copy_, slower than NCCL) instead: "
+           "TORCH_CE_CUDA_TORCH_FALLBACK=1 or torch_ce.config.update(cuda_torch_fallback=True).")
+    log.warning("%s", msg)
+    warnings.warn(msg, stacklevel=3)
+
+
+def kernel_path(device_type: str) -> str:
+    """Which gather serves bound ``device_type`` shards, in words (for ``explain()``)."""
+    if device_type not in ("cuda", "cpu"):
+        return f"none: gathers stay on the collective (unsupported device {device_type})"
+    refused = _refusal(device_type)
+    if refused is not None:
+        return f"none: gathers stay on the collective ({refused.text})"
+    if device_type == "cpu":
+        return "host transport (shared-memory memcpy)"
+    if loaded():
+        return "C++ kernels (csrc/ce_torch.cpp)"
+    return "pure-torch fallback (opted in, slow)"
+
+
 def register_slot(slot) -> None:
-    """Mirror a published CUDA slot into the C++ registry (keyed by this rank's address)."""
+    """Mirror a published CUDA slot into the C++ index (keyed by this rank's address).
+    Called by ``windows.register`` only."""
     w = slot.window
     torch.ops.torch_ce_native.register_slot(
         int(slot.peer_ptrs[w.rank]), [int(p) for p in slot.peer_ptrs], w.rank, slot.nbytes,
         slot.dtype, list(slot.shape), w.group.group_name)
+
+
+def unregister(key: int) -> None:
+    """Drop the C++ index's entry at ``key`` (``windows.register`` replaced it)."""
+    if loaded():
+        torch.ops.torch_ce_native.unregister_slot(int(key))
 
 
 def clear() -> None:
@@ -68,6 +151,11 @@ def clear() -> None:
 
 def slot_count() -> int:
     return int(torch.ops.torch_ce_native.slot_count()) if loaded() else 0
+
+
+def gather_bound(shards: list[torch.Tensor], group_size: int) -> list[torch.Tensor]:
+    """The C++ gather of bound CUDA shards, for the buckets the Python kernel handled."""
+    return torch.ops.torch_ce_native.gather_bound(list(shards), group_size)
 
 
 def set_split_local_copy(split: bool) -> None:
@@ -81,27 +169,3 @@ def set_prefetch_pending(pending: bool) -> None:
     knows the park (NOTE [cross-call prefetch] in prefetch.py)."""
     if loaded():
         torch.ops.torch_ce_native.set_prefetch_pending(bool(pending))
-
-
-def register_loopback(mine, peer, group, rank: int = 0):
-    """Bind ``mine`` as a 2-rank slot whose other rank's copy is the local tensor ``peer``.
-
-    For one-GPU checks and the issue-cost bench: symmetric memory refuses two ranks on one
-    device, but the gather mechanics (registry, copy streams, events, batch submission,
-    c10d work, graph capture) do not care where the peer copy lives. ``rank`` is this
-    rank's position in the pair. Returns the Slot (in both registries); ``release_all``
-    forgets it.
-    """
-    from . import windows as W
-
-    nbytes = mine.numel() * mine.element_size()
-    if peer.shape != mine.shape or peer.dtype != mine.dtype or not (mine.is_contiguous() and peer.is_contiguous()):
-        raise ValueError("torch_ce: register_loopback needs two contiguous tensors of one shape and dtype")
-    w = W.Window(("loopback", group.group_name), 0, nbytes, group, (rank, 1 - rank), rank,
-                 mine.device, mine.view(-1).view(torch.uint8), used=nbytes)
-    slot = W.Slot(w, 0, nbytes, tuple(mine.shape), mine.dtype, "loopback")
-    slot.peer_ptrs = [mine.data_ptr(), peer.data_ptr()][:: 1 if rank == 0 else -1]
-    W.register(mine, slot)
-    if loaded():
-        register_slot(slot)
-    return slot

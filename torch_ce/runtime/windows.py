@@ -32,6 +32,7 @@ only then is it freed. CUDA views of a window do not own its memory (symmetric m
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -203,7 +204,6 @@ _lock = threading.RLock()
 _pools: dict[tuple, WindowPool] = {}
 _registry: dict[int, Slot | Fallback] = {}
 _retired: dict[int, Window] = {}  # id -> window still viewed by live tensors after release
-_mirrors: list[Callable[[Slot], None]] = []  # registry mirrors (the C++ kernels' index)
 
 
 def pool_key(group_ranks: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -258,18 +258,42 @@ def lookup(t: torch.Tensor) -> Slot | Fallback | None:
 
 
 def register(t: torch.Tensor, entry: Slot | Fallback) -> None:
-    """The registry's only writer: records ``t`` and mirrors a slot to every mirror."""
+    """Record ``t``'s slot (or Fallback). The one writer of both indexes: a CUDA slot is
+    mirrored into the C++ kernels' index, and an entry that replaces one leaves it."""
+    from . import native
+
+    key = t.data_ptr()
     with _lock:
+        old = _registry.get(key)
         if isinstance(entry, Slot):
-            entry.ref = weakref.ref(t)
-            for fn in _mirrors:
-                fn(entry)
-        _registry[t.data_ptr()] = entry
+            entry.ref = weakref.ref(t)  # NOTE [window lifetime]
+        _registry[key] = entry
+        if native.loaded():
+            if isinstance(entry, Slot) and entry.window.device.type == "cuda":
+                native.register_slot(entry)
+            elif isinstance(old, Slot) and old.window.device.type == "cuda":
+                native.unregister(key)
 
 
-def add_mirror(fn: Callable[[Slot], None]) -> None:
-    """Call ``fn(slot)`` for every slot registered from now on (the C++ kernels' index)."""
-    _mirrors.append(fn)
+@contextlib.contextmanager
+def registered_probe(t: torch.Tensor, slot: Slot):
+    """``t`` registered as ``slot`` for the block, then the entry it displaced restored:
+    the calibration's probe starts at a window's first slot, whose shard is bound."""
+    from . import native
+
+    key = t.data_ptr()
+    with _lock:
+        old = _registry.get(key)
+        register(t, slot)
+    try:
+        yield
+    finally:
+        with _lock:
+            if old is not None:
+                register(t, old)
+            else:
+                _registry.pop(key, None)
+                native.unregister(key)
 
 
 def bound_slots() -> list[Slot]:
