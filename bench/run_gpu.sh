@@ -19,7 +19,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 TORCH_CE_CUDA_ARCH=90 timeout ${INSTALL_TIMEOUT:-90} python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/torch_ce_install.log 2>&1 \
   || { tail -40 /tmp/torch_ce_install.log; exit 1; }
-python3 -c "import torch_ce, torch_ce._cuda_lib as L, torch_ce.native as N, torch; print('torch', torch.__version__, 'lib', L.library_path(), 'batch', L.batch_supported(), 'rt', L.runtime_version(), 'C++ kernels', N.loaded())"
+python3 -c "import torch_ce, torch_ce.runtime._cuda_lib as L, torch_ce.runtime.native as N, torch; print('torch', torch.__version__, 'lib', L.library_path(), 'batch', L.batch_supported(), 'rt', L.runtime_version(), 'C++ kernels', N.loaded())"
 if has tests; then
   TESTS=${TESTS:-"test/test_build.py test/test_ops_cuda.py test/test_native_cuda.py test/test_compile_cuda.py test/test_refusals_cuda.py test/test_prefetch_cuda.py"}
   TESTS=$(for t in $TESTS; do [ -f "$t" ] && echo "$t"; done)
