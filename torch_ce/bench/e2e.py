@@ -88,13 +88,9 @@ def main(argv=None) -> int:
     if bad:
         print(f"torch-ce bench e2e: unknown variants {sorted(bad)}; known {VARIANTS}", flush=True)
         return 2
-    backend = "nccl" if args.device == "cuda" else "gloo"
     print(f"torch-ce bench e2e: {args.layers} layers, dim {args.dim}, ffn {args.ffn}, tokens "
           f"{args.tokens}, out {args.out}", flush=True)
-    t0 = time.monotonic()
-    rc = R.spawn_ranks(_worker, args.nprocs, vars(args), backend=backend, timeout_s=args.timeout)
-    print(f"torch-ce bench e2e: done in {time.monotonic() - t0:.0f} s (exit code {rc})", flush=True)
-    return rc
+    return R.launch("torch-ce bench e2e", _worker, args)
 
 
 def _worker(rank: int, world: int, a: dict) -> None:

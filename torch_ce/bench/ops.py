@@ -26,7 +26,6 @@ import argparse
 import gc
 import os
 import statistics
-import time
 
 from . import common as C
 from . import ranks as R
@@ -57,12 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out = os.path.abspath(args.out)
-    backend = "nccl" if args.device == "cuda" else "gloo"
     print(f"torch-ce bench ops: sizes {args.sizes} MiB, iters {args.iters}, out {args.out}", flush=True)
-    t0 = time.monotonic()
-    rc = R.spawn_ranks(_worker, args.nprocs, vars(args), backend=backend, timeout_s=args.timeout)
-    print(f"torch-ce bench ops: done in {time.monotonic() - t0:.0f} s (exit code {rc})", flush=True)
-    return rc
+    return R.launch("torch-ce bench ops", _worker, args)
 
 
 # ---------------------------------------------------------------------------------------

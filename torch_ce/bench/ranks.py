@@ -195,6 +195,16 @@ def spawn_ranks(fn: Callable, nprocs: int | None, *args: Any, backend: str | Non
     return rc
 
 
+def launch(prog: str, worker: Callable, args) -> int:
+    """Run a bench's ``worker(rank, world, vars(args))`` on the ranks its common arguments
+    ask for (``--device``: NCCL or gloo, ``--nprocs``, ``--timeout``); the exit code."""
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    t0 = time.monotonic()
+    rc = spawn_ranks(worker, args.nprocs, vars(args), backend=backend, timeout_s=args.timeout)
+    print(f"{prog}: done in {time.monotonic() - t0:.0f} s (exit code {rc})", flush=True)
+    return rc
+
+
 # ---------------------------------------------------------------------------------------
 # Status exchange between ranks (per-variant failures, budget decisions)
 # ---------------------------------------------------------------------------------------
