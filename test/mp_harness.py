@@ -2,6 +2,11 @@
 
     results = run_ranks(fn, world_size, *args, timeout=120, backend="gloo", env=None)
 
+Plus the small helpers every multi-process test file used to define for itself:
+``seed_base()`` (a fresh random seed per test run), ``randn(shape, dtype, gen)`` (on the
+generator's device: CPU and CUDA tests share it), ``wait(t)`` (``wait_tensor``) and
+``all_gather_json(obj, group)`` (every rank's JSON-able value, no numpy; see torch_ce/_net.py).
+
 Spawns ``world_size`` fresh processes (``spawn`` start method, never fork: each child
 imports torch on its own, as a real job does). Each child sets ``env``, joins a process
 group over TCP on a free local port (for "nccl" it first selects GPU ``rank`` and passes
@@ -19,22 +24,35 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
+import random
 import time
 import traceback
 
 import pytest
+import torch
 import torch.multiprocessing as mp
+
+from torch_ce._net import all_gather_json, free_port  # noqa: F401  (re-exported for the tests)
 
 # After the first rank fails, how long the others get to report before they are killed
 # (they are usually stuck in a collective with the dead rank).
 _GRACE_S = 5.0
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def seed_base() -> int:
+    """A fresh random seed base for one test run (ranks add their rank): every run gathers
+    new data, so a gather that only works for some values shows up over time."""
+    return random.randrange(1 << 30)
+
+
+def randn(shape, dtype, gen):
+    """Standard normal values drawn with ``gen`` on its device, then cast to ``dtype``."""
+    return torch.randn(shape, generator=gen, device=gen.device).to(dtype)
+
+
+def wait(t):
+    """``wait_tensor`` of a magi or functional collective's output (what a graph does)."""
+    return torch.ops._c10d_functional.wait_tensor(t)
 
 
 def _child(rank, world_size, port, backend, env, fn, args, q):

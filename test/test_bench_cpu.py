@@ -5,7 +5,8 @@ import json
 import pytest
 
 from torch_ce.bench import common as C
-from torch_ce.bench import e2e, ops
+from torch_ce.bench import e2e, e2e_report, e2e_variant, ops, ops_report, trace
+from torch_ce.bench import ranks as R
 
 
 @pytest.mark.parametrize("mod", [ops, e2e])
@@ -85,13 +86,13 @@ def test_save_png_optional(tmp_path, capsys):
 
 
 def test_interval_arithmetic():
-    assert e2e.merge_intervals([(5, 6), (0, 2), (1, 3), (3, 4), (7, 7)]) == [(0, 4), (5, 6)]
-    assert e2e.union_length([(0, 2), (1, 3), (10, 11)]) == 4
+    assert trace.merge_intervals([(5, 6), (0, 2), (1, 3), (3, 4), (7, 7)]) == [(0, 4), (5, 6)]
+    assert trace.union_length([(0, 2), (1, 3), (10, 11)]) == 4
     a = [(0, 10), (20, 30)]
     b = [(5, 25), (8, 9), (29, 40)]
-    assert e2e.overlap_length(a, b) == pytest.approx(5 + 5 + 1)
-    assert e2e.overlap_length(a, []) == 0
-    assert e2e.overlap_length([(0, 1)], [(1, 2)]) == 0
+    assert trace.overlap_length(a, b) == pytest.approx(5 + 5 + 1)
+    assert trace.overlap_length(a, []) == 0
+    assert trace.overlap_length([(0, 1)], [(1, 2)]) == 0
 
 
 def _x(cat, name, ts, dur, stream, **args):
@@ -114,7 +115,7 @@ def test_summarize_trace():
         dict(ph="X", cat="cpu_op", name="aten::mm", ts=0, dur=1000, pid=1, tid=1),
         dict(ph="i", cat="kernel", name="instant", ts=0),
     ]
-    s = e2e.summarize_trace({"traceEvents": ev}, iterations=2)
+    s = trace.summarize_trace({"traceEvents": ev}, iterations=2)
     assert s["copy_stream"] == "20" and s["ce_copies"] == 2
     assert s["ce_copy_sum_us"] == 160 and s["ce_copy_busy_us"] == 150
     assert s["ce_copy_busy_us_per_iter"] == 75
@@ -134,7 +135,7 @@ def test_summarize_trace():
     assert g["gaps_over_20us_per_iter"] == 1
     assert g["largest"] == [[50.0, 50.0, 0, "sm90_xmma_gemm_bf16", "triton_poi_fused_add"],
                             [50.0, 0.0, 0, "triton_poi_fused_add", "ncclDevKernel_AllGather_RING_LL"]]
-    empty = e2e.summarize_trace({"traceEvents": []})
+    empty = trace.summarize_trace({"traceEvents": []})
     assert empty["ce_copies"] == 0 and empty["overlap_fraction"] is None and empty["gpu_span_us_per_iter"] == 0
 
 
@@ -147,7 +148,7 @@ def test_code_call_counts():
         assert_size_stride(buf1, (768, 256), (256, 1), 'torch.ops.magi.ce_all_gather.default')
         torch.ops._c10d_functional.all_gather_into_tensor_out.default(arg5_1, 2, '0', out=buf3)
     """
-    assert e2e.code_call_counts(code) == dict(
+    assert e2e_variant.code_call_counts(code) == dict(
         code_magi_ce_all_gather_calls=2, code_magi_ce_bind_calls=1, code_nccl_all_gather_calls=1)
 
 
@@ -160,7 +161,7 @@ def test_ops_targets():
         dict(mib=64, exact=True, ce1_over_nccl_bw=1.27, nccl=v(291, 230), ce1=v(229, 294)),
         dict(mib=256, exact=False, errors=dict(ce8="x")),
     ], contention=dict(ce=dict(slowdown=1.046)))
-    t = {x["name"]: x["ok"] for x in ops._targets(res)}
+    t = {x["name"]: x["ok"] for x in ops_report.targets(res)}
     assert t["CE1/NCCL latency @ 1 MiB"] is True
     assert t["CE1/NCCL bandwidth @ 64 MiB"] is True and t["CE1 GB/s @ 64 MiB"] is False
     assert t["CE1 GB/s @ 256 MiB"] is None
@@ -176,13 +177,13 @@ def test_e2e_merge_previous(tmp_path):
     C.write_json(str(p), dict(bench="e2e", args=dict(a, tokens="1024"), world_size=2,
                               results={"1024": {"tokens": 1024, "nccl": {"ms": 14.9}}}), {"date": "d0"})
     r = dict(args=a, world_size=2, results={})
-    e2e._merge_previous(str(p), r, [4096])
+    e2e_report.merge_previous(str(p), r, [4096])
     assert r["results"]["1024"]["nccl"]["ms"] == 14.9 and r["results"]["1024"]["from_previous_run"] == "d0"
     r2 = dict(args=dict(a, dim=1024), world_size=2, results={})
-    e2e._merge_previous(str(p), r2, [4096])  # another model: nothing kept
+    e2e_report.merge_previous(str(p), r2, [4096])  # another model: nothing kept
     assert r2["results"] == {}
     r3 = dict(args=a, world_size=2, results={})
-    e2e._merge_previous(str(p), r3, [1024])  # re-measured: nothing kept
+    e2e_report.merge_previous(str(p), r3, [1024])  # re-measured: nothing kept
     assert r3["results"] == {}
 
 
@@ -195,9 +196,9 @@ def test_short_error():
 
 
 def test_agree_errors_single_process():
-    assert C.agree_errors(None) is None
-    assert C.agree_errors("boom") == "[rank 0] boom"
-    assert C.exchange({"a": 1}) == [{"a": 1}]
+    assert R.agree_errors(None) is None
+    assert R.agree_errors("boom") == "[rank 0] boom"
+    assert R.exchange({"a": 1}) == [{"a": 1}]
 
 
 def test_compare_tolerances():
@@ -206,10 +207,31 @@ def test_compare_tolerances():
     ref = torch.tensor([5.75, 0.01, -2.0, 0.0], dtype=torch.bfloat16)
     ulp = ref.clone()
     ulp[1] += 0.046875  # about one bf16 ulp at the largest magnitude, on a small element
-    c = e2e._compare(ulp, ref)
+    c = e2e_report.compare(ulp, ref)
     assert not c["equal"] and not c["allclose"] and c["within_bf16_tol"] and c["finite"]
     wrong = ref.clone()
     wrong[2] = 2.0  # a wrong shard: O(max|ref|)
-    c = e2e._compare(wrong, ref)
+    c = e2e_report.compare(wrong, ref)
     assert not c["within_bf16_tol"] and c["max_abs_diff"] == 4.0
-    assert e2e._compare(ref, ref)["equal"]
+    assert e2e_report.compare(ref, ref)["equal"]
+
+
+def _rank_exchange(rank, world):
+    import torch.distributed as dist
+
+    def pickled(*a, **k):
+        raise AssertionError("all_gather_object pickles through numpy")
+
+    dist.all_gather_object = dist.distributed_c10d.all_gather_object = pickled
+    sg = R.status_group()
+    obj = dict(rank=rank, t=(rank, "é" * (5 + 40 * rank)), none=None, ok=rank == 0)
+    return R.exchange(obj, sg), R.agree_errors("boom" if rank == 1 else None, sg)
+
+
+def test_exchange_two_ranks():
+    """JSON over uint8 tensors, payloads of different lengths (non-ASCII), no pickle."""
+    from mp_harness import run_ranks
+
+    for everyone, err in run_ranks(_rank_exchange, 2, timeout=60):
+        assert everyone == [dict(rank=r, t=[r, "é" * (5 + 40 * r)], none=None, ok=r == 0) for r in range(2)]
+        assert err == "[rank 1] boom"

@@ -32,22 +32,13 @@ import torch.distributed as dist
 
 from mp_harness import quiet_warnings, run_ranks, setup_compile
 from mp_harness import reference_all_gather as _ref_gather
+from mp_harness import seed_base as _base
 from torch_ce import all_gather as _ce  # bound-shard gather + wait
 
 FUZZ_TRIALS = int(os.environ.get("TORCH_CE_FUZZ_TRIALS", "6"))
 SLOW = os.environ.get("TORCH_CE_SLOW", "") not in ("", "0")
 SLOW_TRIALS = int(os.environ.get("TORCH_CE_SLOW_FUZZ_TRIALS", "200"))
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-
-
-def _base() -> int:
-    return random.randrange(1 << 30)
-
-
-
-
 
 
 def _ce_n(ts, group=None):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 
 import pytest
 import torch
@@ -27,24 +26,14 @@ import torch.distributed as dist
 
 from mp_harness import quiet_warnings, run_ranks, setup_compile
 from mp_harness import reference_all_gather as _ref_gather
+from mp_harness import seed_base as _base
 from torch_ce import all_gather as _ce  # bound-shard gather + wait
-
-
-
-
-
-def _base() -> int:
-    return random.randrange(1 << 30)
 
 
 def _shm_maps() -> list[str]:
     """Lines of /proc/self/maps that map one of our shared-memory segments."""
     with open("/proc/self/maps") as f:
         return [ln.strip() for ln in f if "/dev/shm/torch_ce_" in ln]
-
-
-
-
 
 
 def _n_windows() -> int:

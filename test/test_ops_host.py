@@ -8,37 +8,22 @@ below are module level so that spawn can pickle them.
 """
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from mp_harness import run_ranks
+from mp_harness import all_gather_json, run_ranks
+from mp_harness import randn as _rand
+from mp_harness import seed_base as _base
+from mp_harness import wait as _wait
 from mp_harness import reference_all_gather as _ref_gather
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-
-
-def _base() -> int:
-    return random.randrange(1 << 30)
-
-
 # ---------------------------------------------------------------------------------------
 # Helpers used inside the ranks
 # ---------------------------------------------------------------------------------------
-
-
-def _rand(shape, dtype, gen):
-    return torch.randn(shape, generator=gen).to(dtype)
-
-
-
-
-def _wait(t):
-    return torch.ops._c10d_functional.wait_tensor(t)
 
 
 def _gather1(shard, group_size, group_name):
@@ -155,9 +140,8 @@ def _rank_gather_exact(rank, ws, base):
 
     # Symmetric layout: the same (pool, window, offset, size) for each shard on every rank.
     layout = {n: (s.window.pool_key, s.window.index, s.offset, s.nbytes) for n, s in slots.items()}
-    everyone = [None] * ws
-    dist.all_gather_object(everyone, layout)
-    assert all(lay == layout for lay in everyone), f"layouts differ across ranks: {everyone}"
+    everyone = all_gather_json(layout)
+    assert all(lay == everyone[0] for lay in everyone), f"layouts differ across ranks: {everyone}"
 
     # Single gathers (mesh group name and WORLD name name the same ranks) and coalesced ones.
     for n, t in locals_.items():
@@ -311,9 +295,8 @@ def _rank_window_cap(rank, ws, base):
     for i, s in enumerate(shards):
         _check_in_window(f"shard{i}", s)
     layout = [(s.window.pool_key, s.window.index, s.offset) for s in slots]
-    everyone = [None] * ws
-    dist.all_gather_object(everyone, layout)
-    assert all(lay == layout for lay in everyone), everyone
+    everyone = all_gather_json(layout)
+    assert all(lay == everyone[0] for lay in everyone), everyone
     gname = dist.group.WORLD.group_name
     for s, r in zip(shards, refs):
         assert torch.equal(_gather1(s, ws, gname), r)

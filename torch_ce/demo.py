@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ._net import free_port
 
 
 def _say(rank: int, *msg) -> None:
@@ -123,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = mp.get_context("spawn")
         with ctx.Manager() as manager:
             results = manager.dict()
-            mp.start_processes(_rank_main, args=(world, _free_port(), cuda, args, results),
+            mp.start_processes(_rank_main, args=(world, free_port(), cuda, args, results),
                                nprocs=world, start_method="spawn", join=True)
             results = dict(results)
     r0 = results[0]

@@ -18,7 +18,7 @@ Then SM contention: a bf16 8192^3 matmul alone, beside a loop of NCCL all-gather
 beside a loop of CE gathers (256 MiB per rank) on a side stream (shared/probes/p2p_probe.py).
 
 Writes ``<out>/ops_<gpu>_w<world>.json`` (after every size, so a killed run keeps what it
-measured) and ``ops_<gpu>_w<world>.png``.
+measured) and ``ops_<gpu>_w<world>.png``; targets, table and figure are in ops_report.py.
 """
 from __future__ import annotations
 
@@ -26,14 +26,10 @@ import argparse
 import gc
 import os
 import statistics
-import time
 
 from . import common as C
-
-TARGETS_TEXT = (
-    "CE latency <= 0.65x NCCL at 1-4 MiB; CE >= 1.2x NCCL bandwidth and >= 320 GB/s at "
-    ">= 64 MiB; matmul slowdown beside CE <= 1.03x (NCCL measured 1.26x)"
-)
+from . import ranks as R
+from .ops_report import TARGETS_TEXT, draw, print_summary, targets
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,12 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out = os.path.abspath(args.out)
-    backend = "nccl" if args.device == "cuda" else "gloo"
     print(f"torch-ce bench ops: sizes {args.sizes} MiB, iters {args.iters}, out {args.out}", flush=True)
-    t0 = time.monotonic()
-    rc = C.spawn_ranks(_worker, args.nprocs, vars(args), backend=backend, timeout_s=args.timeout)
-    print(f"torch-ce bench ops: done in {time.monotonic() - t0:.0f} s (exit code {rc})", flush=True)
-    return rc
+    return R.launch("torch-ce bench ops", _worker, args)
 
 
 # ---------------------------------------------------------------------------------------
@@ -98,8 +90,8 @@ def _worker(rank: int, world: int, a: dict) -> None:
     # cache a curve fitted on this bench's small windows for later compiles to pick up).
     torch_ce.config.cost_mode = "default"
 
-    dev = C.device()
-    sg = C.status_group()
+    dev = R.device()
+    sg = R.status_group()
     sizes = C.parse_list(a["sizes"], float)
     tag = C.gpu_tag()
     path = os.path.join(a["out"], f"ops_{tag}_w{world}.json")
@@ -137,11 +129,11 @@ def _worker(rank: int, world: int, a: dict) -> None:
             C.log(f"[ops] contention FAILED: {e!r}")
     gc.collect()
 
-    result["targets"] = _targets(result)
+    result["targets"] = targets(result)
     save()
     if rank == 0:
-        _print_summary(result, world)
-        png = C.save_png(path[:-5] + ".png", lambda plt: _draw(plt, result, world, tag))
+        print_summary(result, world)
+        png = C.save_png(path[:-5] + ".png", lambda plt: draw(plt, result, world, tag))
         if png:
             result["png"] = png
             save()
@@ -157,7 +149,7 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
     from torch_ce.runtime import native
 
     wait = torch.ops._c10d_functional.wait_tensor
-    dev = C.device()
+    dev = R.device()
     group = dist.group.WORLD
     gname = group.group_name
     entry: dict = dict(mib=mib, errors={})
@@ -182,7 +174,7 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
         state.update(big=big, members=members, out=torch.empty(world * n, dtype=bf16, device=dev))
     except Exception as e:  # noqa: BLE001
         err = C.short_error(e)
-    err = C.agree_errors(err, sg)
+    err = R.agree_errors(err, sg)
     if err:
         entry["errors"]["bind"] = err
         C.log(f"[ops] {mib:g} MiB: bind FAILED on some rank:\n{err}")
@@ -229,8 +221,8 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
         del ref, o1, outs8, refm
     except Exception as e:  # noqa: BLE001
         err = C.short_error(e)
-    err = C.agree_errors(err, sg)
-    all_exact = C.exchange(exact, sg)
+    err = R.agree_errors(err, sg)
+    all_exact = R.exchange(exact, sg)
     if err:
         entry["errors"]["exactness"] = err
         entry["exact"] = False
@@ -262,13 +254,13 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
                        cpu_enqueue_us_per_call=_r(iss_t.get("cpu_enqueue_ms", 0) * 1e3 / iters))
         except Exception as e:  # noqa: BLE001
             verr = C.short_error(e)
-        verr = C.agree_errors(verr, sg)
+        verr = R.agree_errors(verr, sg)
         if verr:
             entry["errors"][name] = verr
             C.log(f"[ops] {mib:g} MiB {name}: FAILED:\n{verr}")
             continue
         # Rank 0 reports its own timings; the slowest rank's median goes beside it.
-        all_us = C.exchange(rec["us"], sg)
+        all_us = R.exchange(rec["us"], sg)
         rec["us_max_rank"] = max(all_us)
         entry[name] = rec
         C.log(f"[ops] {mib:6g} MiB {name:>4}: {rec['us']:9.1f} us {rec['gbps'] or 0:7.1f} GB/s"
@@ -297,7 +289,7 @@ def _contention(world: int, rank: int, a: dict) -> dict:
     import torch_ce
 
     wait = torch.ops._c10d_functional.wait_tensor
-    dev = C.device()
+    dev = R.device()
     group = dist.group.WORLD
     gname = group.group_name
 
@@ -375,94 +367,3 @@ def _contention(world: int, rank: int, a: dict) -> dict:
     torch_ce.release_all()
     torch.cuda.empty_cache()
     return out_d
-
-
-# ---------------------------------------------------------------------------------------
-# Targets, table, figure
-# ---------------------------------------------------------------------------------------
-
-
-def _targets(result: dict) -> list[dict]:
-    t = []
-    by = {e["mib"]: e for e in result["sizes"]}
-    for mib in (1, 4):
-        e = by.get(mib)
-        if e is not None:
-            t.append(C.target(f"CE1/NCCL latency @ {mib:g} MiB", e.get("ce1_over_nccl_latency"), "<=", 0.65))
-    for mib, e in sorted(by.items()):
-        if mib >= 64:
-            t.append(C.target(f"CE1/NCCL bandwidth @ {mib:g} MiB", e.get("ce1_over_nccl_bw"), ">=", 1.2))
-            t.append(C.target(f"CE1 GB/s @ {mib:g} MiB", (e.get("ce1") or {}).get("gbps"), ">=", 320.0))
-    c = result.get("contention") or {}
-    if "ce" in c or "error" in c:
-        t.append(C.target("matmul slowdown beside CE", (c.get("ce") or {}).get("slowdown"), "<=", 1.03))
-    for mib, e in sorted(by.items()):
-        t.append(C.target(f"CE exact vs NCCL @ {mib:g} MiB", 1.0 if e.get("exact") else 0.0, ">=", 1.0))
-    return t
-
-
-def _print_summary(result: dict, world: int) -> None:
-    rows = []
-    for e in result["sizes"]:
-        def cell(v):
-            d = e.get(v)
-            if d is None and v == "ce1_inbatch" and e.get("kernel") != "C++":
-                return "-"
-            return "FAILED" if not d else f"{d['us']:.1f} / {d['gbps'] or 0:.0f}"
-
-        def issue(v):
-            d = e.get(v)
-            return "-" if not d else f"{d['us_issue']:.0f} / {d['cpu_enqueue_us_per_call'] or 0:.0f}"
-
-        rows.append([f"{e['mib']:g}", cell("nccl"), cell("ce1"), cell("ce8"), cell("ce1_inbatch"),
-                     e.get("ce1_over_nccl_latency", "-"), issue("nccl"), issue("ce1"), issue("ce8"),
-                     e.get("exact")])
-    print(f"\n[ops] world {world}: device-time latency (us) / GB/s read from peers per rank; "
-          f"issue-bound loop: latency / CPU us per call", flush=True)
-    print(f"[ops] CE kernel: {result['sizes'][0].get('kernel', '?') if result['sizes'] else '?'}; "
-          "CE1 in-batch: own rows inside the peer batch (else on a second copy stream)", flush=True)
-    print(C.format_table(["MiB", "NCCL us/GBps", "CE1 us/GBps", "CE8 us/GBps", "CE1 in-batch", "CE1/NCCL",
-                          "NCCL issue/CPU", "CE1 issue/CPU", "CE8 issue/CPU", "exact"], rows), flush=True)
-    c = result.get("contention") or {}
-    if "alone_ms" in c:
-        print(f"[ops] matmul {c['mm_size']}^3 bf16: alone {c['alone_ms']:.3f} ms "
-              f"({c['alone_tflops']} TFLOP/s); beside NCCL {c['nccl']['slowdown']:.3f}x; "
-              f"beside CE {c['ce']['slowdown']:.3f}x", flush=True)
-    elif c:
-        print(f"[ops] contention: {c.get('skipped') or c.get('error', '')[:300]}", flush=True)
-    print(f"[ops] targets ({TARGETS_TEXT}):", flush=True)
-    for t in result["targets"]:
-        print(C.format_target(t), flush=True)
-    errs = [(e["mib"], k) for e in result["sizes"] for k in e.get("errors", {})]
-    if errs:
-        print(f"[ops] failures (details in the JSON): {errs}", flush=True)
-
-
-def _draw(plt, result: dict, world: int, tag: str):
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    labels = dict(nccl="NCCL all_gather", ce1="CE, 1 member", ce8=f"CE, {result['args']['members']} members")
-    for v, style in (("nccl", "o-"), ("ce1", "s-"), ("ce8", "^--")):
-        pts = [(e["mib"], e[v]) for e in result["sizes"] if e.get(v)]
-        if not pts:
-            continue
-        xs = [p[0] for p in pts]
-        ax1.plot(xs, [p[1]["us"] for p in pts], style, label=labels[v])
-        ax2.plot(xs, [p[1]["gbps"] or 0 for p in pts], style, label=labels[v])
-    sizes = sorted({e["mib"] for e in result["sizes"]})
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        if sizes:
-            ax.set_xticks(sizes)
-            ax.set_xticklabels([f"{m:g}" for m in sizes])
-        ax.set_xlabel("MiB per rank (bf16)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    ax1.set_yscale("log")
-    ax1.set_ylabel("latency, wait(launch()) (us)")
-    ax2.set_ylabel("GB/s read from peers per rank")
-    ax2.axhline(320, color="gray", ls=":", lw=1)
-    ax2.annotate("320 GB/s target", (sizes[0] if sizes else 1, 322), fontsize=8, color="gray")
-    top = max([e[v]["gbps"] or 0 for e in result["sizes"] for v in ("nccl", "ce1", "ce8") if e.get(v)] or [0])
-    ax2.set_ylim(0, max(350.0, 1.1 * top))
-    fig.suptitle(f"torch_ce gather vs NCCL, {tag}, world {world}")
-    return fig
