@@ -73,15 +73,7 @@ def test_runtime_never_imports_the_compile_side(rel_path):
     assert not runtime_violations(rel_path)
 
 
-# passes/plan.py predicts slots with runtime.windows.WindowPool.plan_slots (pure layout
-# arithmetic); it should move to a module passes may read (it is not this branch's file).
-_KNOWN = {"passes/plan.py": "plan.py imports runtime.windows.WindowPool for plan_slots (pure "
-                            "arithmetic; to move out of windows.py)"}
-
-
-@pytest.mark.parametrize("rel_path", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=False, reason=_KNOWN[p])) if p in _KNOWN else p
-    for p in _modules("passes")])
+@pytest.mark.parametrize("rel_path", _modules("passes"))
 def test_passes_never_open_windows(rel_path):
     assert not passes_violations(rel_path)
 
