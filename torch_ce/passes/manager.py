@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - older torch: gate.graph_reason falls b
 from .. import report
 from ..config import config, update
 from . import bucket as bucket_mod
-from . import fx_utils, gate as gate_mod, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
+from . import fx_utils, gate as gate_mod, param_names, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
 
 log = logging.getLogger("torch_ce")
 
@@ -38,7 +38,8 @@ def _source_hash() -> str:
     from .. import __version__
 
     h.update(__version__.encode())
-    for mod in (fx_utils, gate_mod, plan_mod, rewrite_mod, bucket_mod, prefetch_mod, sys.modules[__name__]):
+    for mod in (fx_utils, gate_mod, plan_mod, rewrite_mod, bucket_mod, prefetch_mod, param_names,
+                sys.modules[__name__]):
         h.update(inspect.getsource(mod).encode())
     return h.hexdigest()
 
@@ -63,13 +64,22 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     if pf_what != "off":
         rec.prefetch = dict(members=[a.name for a in pf_node.args[0]] if pf_node is not None else [],
                             what=pf_what)
+    # One row per weight (a forward may gather a weight twice: torchtitan's Embedding reads
+    # its parametrized weight twice), named by its parameter (NOTE [parameter names]).
+    rows: dict = {}
     for s in seeds:
-        if s.eligible:
-            ps = next(x for x in p.shards if x.node is s.shard)
-            rec.bound.append(dict(name=s.shard.name, bytes=s.nbytes, group=s.group_name,
-                                  window=ps.window, offset=ps.offset))
+        key = s.weight if s.weight is not None else s.shard
+        rows.setdefault(key, []).append(s)
+    for key, ss in rows.items():
+        ok = [s for s in ss if s.eligible]
+        row = dict(name=getattr(key, "name", str(key)), param=param_names.param_name(key), gathers=len(ss))
+        if ok:
+            ps = next(x for x in p.shards if x.node is ok[0].shard)
+            rec.bound.append(dict(row, bytes=ok[0].nbytes, group=ok[0].group_name,
+                                  window=ps.window, offset=ps.offset,
+                                  refused_gathers=[s.reason for s in ss if not s.eligible]))
         else:
-            rec.refused.append(dict(name=getattr(s.shard, "name", str(s.shard)), reason=s.reason))
+            rec.refused.append(dict(row, reason=ss[0].reason))
     for b in buckets:
         rec.buckets.append(dict(kind="ce" if b.bound else "collective",
                                 members=[m.shard.name for m in b.members], bytes=b.nbytes))
