@@ -107,6 +107,11 @@ def annotate(graph: fx.Graph) -> None:
     """Record each placeholder's parameter name in its meta (see NOTE above)."""
     found = _dynamo_sources()
     sources, roots = found if found is not None else (None, _MODULE_ROOTS)
+    flat = [i for i in (_flat_input_index(n.meta.get("desc")) for n in graph.nodes if n.op == "placeholder")
+            if i is not None]
+    if sources is not None and (not flat or max(flat) + 1 != len(sources)):
+        # Not the inputs Dynamo handed over (a graph split by DDPOptimizer, say): no names.
+        sources = None
     for n in graph.nodes:
         if n.op != "placeholder" or _META_KEY in n.meta:
             continue
