@@ -106,8 +106,12 @@ def candidate_from_param(name: str, p: torch.Tensor, group, min_shard_bytes: int
         dims = [d for d in range(mesh.ndim) if mesh.size(d) > 1]  # size 1: no collective
         sharded = [d for d in dims if placements[d].is_shard()]
         if len(sharded) != 1:
-            what = ("not sharded over a mesh dim of size > 1" if not sharded
-                    else f"Shard on {len(sharded)} mesh dims of size > 1 (a gather of a gathered tensor)")
+            if sharded:
+                what = f"Shard on {len(sharded)} mesh dims of size > 1 (a gather of a gathered tensor)"
+            elif any(pl.is_shard() for pl in placements):
+                what = "sharded only over mesh dims of size 1: nothing to gather"
+            else:
+                what = "not sharded"
             return Candidate(name, None, None, f"placement {placements} on mesh {tuple(mesh.shape)}: {what}")
         dim = sharded[0]
         if placements[dim] != Shard(0):
