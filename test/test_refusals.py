@@ -252,7 +252,6 @@ def _bind_api(rank, ws, mesh):
     torch.manual_seed(4)
     mesh2 = init_device_mesh("cpu", (1, ws))
     params = {
-        "two_d": distribute_tensor(torch.randn(8, 8), mesh2, [Shard(0), Shard(0)]),
         "shard1": distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)]),
         "uneven": distribute_tensor(torch.randn(9, 8), mesh, [Shard(0)]),
         "noncontig": DTensor.from_local(torch.randn(8, 4).t(), mesh, [Shard(0)], run_check=False,
@@ -392,7 +391,6 @@ def test_weight_mutating_graph_keeps_gloo(matrix):
 
 
 @pytest.mark.parametrize("name,want", [
-    ("two_d", "Shard on 2 mesh dims"),
     ("shard1", "not Shard(0)"),
     ("uneven", "uneven"),
     ("noncontig", "non-contiguous"),
@@ -401,6 +399,7 @@ def test_weight_mutating_graph_keeps_gloo(matrix):
     ("no_group", "no process group"),
 ])
 def test_bind_api_refusals(matrix, name, want):
+    # Mesh and placement verdicts (2-D meshes, size-1 dims): test_mesh_verdicts.py.
     for rank, r in enumerate(matrix):
         b = r["bind_api"]
         assert b["bound"] == [], (rank, b)

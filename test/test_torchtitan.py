@@ -133,7 +133,10 @@ def _rank_fp32(rank, world_size, seed, cache_dir):
             eager_after = model(xs[0])  # eager on the now-bound weights
         code = "\n".join(codes)
         rec = report.graphs[-1] if report.graphs else None
+        e = torch_ce.explain()
         return dict(
+            explain_rows=[(w.param, w.status) for w in e.weights if rec and w.graph_id == rec.graph_id],
+            table=e.table(),
             exact=[torch.equal(out0, eager[0]), torch.equal(out1, eager[1])],
             eager_after_exact=torch.equal(eager_after, eager[0]),
             max_diff=float((out0 - eager[0]).abs().max()),
@@ -276,6 +279,16 @@ def test_simple_fsdp_fully_shard_fp32_copy_engine(results):
         assert not not_bound, f"rank {rank}: shards not bound after the first run: {not_bound}"
     # Each rank ran its own inputs through the same gathered weights.
     assert not torch.equal(res[0]["out0"], res[1]["out0"])
+
+
+def test_explain_names_simple_fsdp_parameters(results):
+    """explain() lists each weight once, by the user's parameter name, bound."""
+    for rank, r in enumerate(_scenario(results, "fp32")):
+        names = sorted(r["slots"])  # model.named_parameters() names
+        assert sorted(p for p, _ in r["explain_rows"]) == names, (rank, r["explain_rows"])
+        assert all(status == "bound" for _, status in r["explain_rows"]), (rank, r["explain_rows"])
+        missing = [n for n in names if n not in r["table"]]
+        assert not missing, f"rank {rank}: table lacks {missing}:\n{r['table']}"
 
 
 def test_simple_fsdp_bf16_param_dtype_stays_on_collective(results):

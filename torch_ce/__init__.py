@@ -43,7 +43,9 @@ def disable():
 
 
 def explain(print_table: bool = False):
-    from .explain import explain as _explain
+    """What torch_ce did in this process (``torch_ce.explanation.Explanation``): per graph
+    and weight, bound (window, offset) or refused (why); binds; windows."""
+    from .explanation import explain as _explain
 
     return _explain(print_table=print_table)
 

@@ -15,8 +15,11 @@ class GraphRecord:
 
     graph_id: int
     transport: str
-    bound: list = dataclasses.field(default_factory=list)  # dicts: name, bytes, bucket
-    refused: list = dataclasses.field(default_factory=list)  # dicts: name, reason
+    # One dict per weight (not per gather: a forward may gather a weight twice). ``param``:
+    # the parameter's name (NOTE [parameter names]); ``name``: the post-grad placeholder;
+    # ``gathers``: how many gathers of it the graph holds.
+    bound: list = dataclasses.field(default_factory=list)  # + bytes, group, refused_gathers
+    refused: list = dataclasses.field(default_factory=list)  # + reason (the first gather's)
     buckets: list = dataclasses.field(default_factory=list)  # dicts: kind, members, bytes
     reorder: dict = dataclasses.field(default_factory=dict)
     prefetch: dict = dataclasses.field(default_factory=dict)  # members, bytes (gathered)

@@ -25,6 +25,7 @@ MODULES = (
     "torch_ce.passes.gate",
     "torch_ce.passes.identity",
     "torch_ce.passes.manager",
+    "torch_ce.passes.param_names",
     "torch_ce.passes.plan",
     "torch_ce.passes.prefetch",
     "torch_ce.passes.reorder",

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - older torch: gate.graph_reason falls b
 from .. import report
 from ..config import config, update
 from . import bucket as bucket_mod
-from . import gate as gate_mod, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
+from . import gate as gate_mod, param_names, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
 from .identity import identity
 
 log = logging.getLogger("torch_ce")
@@ -53,11 +53,20 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     if pf_what != "off":
         rec.prefetch = dict(members=[a.name for a in pf_node.args[0]] if pf_node is not None else [],
                             what=pf_what)
+    # One row per weight (a forward may gather a weight twice: torchtitan's Embedding reads
+    # its parametrized weight twice), named by its parameter (NOTE [parameter names]).
+    rows: dict = {}
     for s in seeds:
-        if s.eligible:
-            rec.bound.append(dict(name=s.shard.name, bytes=s.nbytes, group=s.group_name))
+        key = s.weight if s.weight is not None else s.shard
+        rows.setdefault(key, []).append(s)
+    for key, ss in rows.items():
+        ok = [s for s in ss if s.eligible]
+        row = dict(name=getattr(key, "name", str(key)), param=param_names.param_name(key), gathers=len(ss))
+        if ok:
+            rec.bound.append(dict(row, bytes=ok[0].nbytes, group=ok[0].group_name,
+                                  refused_gathers=[str(s.reason) for s in ss if not s.eligible]))
         else:
-            rec.refused.append(dict(name=getattr(s.shard, "name", str(s.shard)), reason=str(s.reason)))
+            rec.refused.append(dict(row, reason=str(ss[0].reason)))
     for b in buckets:
         rec.buckets.append(dict(kind="ce" if b.bound else "collective",
                                 members=[m.shard.name for m in b.members], bytes=b.nbytes))

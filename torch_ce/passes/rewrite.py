@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from . import fx_utils as U
+from .param_names import param_name
 from .plan import Plan
 
 
@@ -42,7 +43,7 @@ def rewrite(graph: fx.Graph, p: Plan) -> fx.Node | None:
                 [ps.node for ps in p.shards],
                 [ps.group_size for ps in p.shards],
                 [ps.group_name for ps in p.shards],
-                [ps.node.name for ps in p.shards],
+                [param_name(ps.node) for ps in p.shards],  # NOTE [parameter names]
                 [ps.reason for ps in p.shards],
             ),
         )

@@ -97,23 +97,31 @@ class _MinBytes:
 def candidate_from_param(name: str, p: torch.Tensor, group, min_shard_bytes: int) -> Candidate:
     """Resolve a DTensor or a plain tensor with ``group``.
 
-    A DTensor qualifies with Shard(0) on exactly one mesh dim and Replicate on the others
-    (FSDP, or HSDP's replicate x shard): its local tensor is gathered over that dim's
-    group, as the compiled path does. Shard on two dims would be a gather of a gathered
-    tensor, which the compiled path refuses too.
+    A DTensor qualifies as the compiled path sees it: mesh dims of size 1 issue no gather
+    there (a (1, N) mesh with ``[Shard(0), Shard(0)]`` is one gather over the size-N dim),
+    so they are ignored whatever their placement. Of the rest, exactly one must be
+    Shard(0) and the others Replicate (FSDP, or HSDP's replicate x shard): the local tensor
+    is gathered over that dim's group. Shard on two such dims is a gather of a gathered
+    tensor, which the compiled path refuses too (test/test_mesh_verdicts.py compares both).
     """
     from torch.distributed.tensor import DTensor, Shard
 
     if isinstance(p, DTensor):
         mesh, placements = p.device_mesh, tuple(p.placements)
-        sharded = [d for d, pl in enumerate(placements) if pl.is_shard()]
+        dims = [d for d in range(mesh.ndim) if mesh.size(d) > 1]  # size 1: no collective
+        sharded = [d for d in dims if placements[d].is_shard()]
         if len(sharded) != 1:
-            what = "not sharded" if not sharded else f"Shard on {len(sharded)} mesh dims"
-            return Candidate(name, None, None, refusal(Reason.PLACEMENT, f"placement {placements}: {what}"))
+            if sharded:
+                what = f"Shard on {len(sharded)} mesh dims of size > 1 (a gather of a gathered tensor)"
+            elif any(pl.is_shard() for pl in placements):
+                what = "sharded only over mesh dims of size 1: nothing to gather"
+            else:
+                what = "not sharded"
+            return Candidate(name, None, None, refusal(Reason.PLACEMENT, f"placement {placements} on mesh {tuple(mesh.shape)}: {what}"))
         dim = sharded[0]
         if placements[dim] != Shard(0):
             return Candidate(name, None, None, refusal(Reason.NOT_SHARD0, f"placement {placements[dim]}, not Shard(0)"))
-        if not all(pl.is_replicate() for d, pl in enumerate(placements) if d != dim):
+        if not all(placements[d].is_replicate() for d in dims if d != dim):
             return Candidate(name, None, None, refusal(Reason.PLACEMENT, f"placement {placements}: not Replicate beside Shard(0)"))
         world = mesh.size(dim)
         if p.shape[0] % world:
@@ -393,7 +401,8 @@ def bind(params: Any, group=None, *, min_shard_mib: float | None = None) -> Bind
     """Bind weight shards into symmetric windows so ``magi::ce_all_gather`` can read them.
 
     ``params``: a module, a dict of name -> tensor, or an iterable of tensors. DTensors must
-    be Shard(0) on a 1-D mesh with rows divisible by the mesh size; plain tensors are local
+    be Shard(0) on one mesh dim of size > 1 and Replicate on the others, with rows divisible
+    by that dim's size (what the compiled path binds); plain tensors are local
     shards of ``group``. Collective: every rank of each shard's group (of ``group`` if
     given) must call it with corresponding parameters. Binding an already-bound shard is a
     no-op. Returns a BindResult: what moved, what was already bound, what was skipped and why.

@@ -1,0 +1,175 @@
+"""``torch_ce.explain()``: what the passes and binds did, as data and as a readable table.
+
+Per compiled graph, one row per weight (a weight gathered twice in one graph is still one
+row), named by its parameter (``layers.0.attention.wqkv.weight``; the placeholder name
+only when the graph had no Dynamo frame, NOTE [parameter names] in
+passes/param_names.py): its bytes and the window and offset it sits at once bound (read
+from the run-time registry, by the name the bind step registered), or why it stays on the
+collective backend. Per (group, dtype) pool: its windows and how full they are. The gather
+kernel in use per device type. Graphs served from the FX graph cache ran no pass in this
+process, so they have no record here; their binds still show.
+
+(This module is not called ``explain``: ``import torch_ce.explain`` would rebind the
+package attribute ``torch_ce.explain``, the function, to the module.)
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from . import report
+from .config import config
+from .runtime import windows as W
+
+
+@dataclasses.dataclass
+class WindowInfo:
+    group_ranks: tuple
+    dtype: str
+    device: str
+    index: int
+    nbytes: int
+    used: int  # bytes filled by slots (the window may be larger: pooling leaves room)
+    slots: int
+
+    @property
+    def fill(self) -> float:
+        return self.used / self.nbytes if self.nbytes else 0.0
+
+
+@dataclasses.dataclass
+class WeightRow:
+    """One weight of one compiled graph."""
+
+    graph_id: int
+    param: str  # the parameter's name (placeholder name as a fallback)
+    name: str  # the post-grad placeholder
+    status: str  # "bound" | "refused" | "fallback" (refused at bind) | "not bound yet"
+    gathers: int = 1  # gathers of this weight in the graph
+    bytes: int = 0
+    group: str = ""
+    window: int | None = None  # run-time window index within its pool
+    offset: int | None = None  # byte offset in that window
+    reason: str = ""  # why it stays on the collective backend (refused, fallback)
+
+
+@dataclasses.dataclass
+class Explanation:
+    config: dict
+    graphs: list  # report.GraphRecord
+    binds: list  # binding.BindResult
+    windows: list[WindowInfo]
+    weights: list[WeightRow]
+    kernel_paths: dict  # device type -> gather kernel path in use (when the runtime says)
+
+    def as_dict(self) -> dict:
+        return dict(
+            config=self.config,
+            graphs=[dataclasses.asdict(g) for g in self.graphs],
+            binds=[dataclasses.asdict(b) for b in self.binds],
+            windows=[dict(dataclasses.asdict(w), fill=w.fill) for w in self.windows],
+            weights=[dataclasses.asdict(w) for w in self.weights],
+            kernel_paths=dict(self.kernel_paths),
+        )
+
+    def table(self) -> str:
+        out = [f"torch_ce explain (transport={self.config['transport']})"]
+        for dev, path in self.kernel_paths.items():
+            out.append(f"gather kernel ({dev}): {path}")
+        if not self.graphs:
+            out.append("  no graph compiled in this process (or all served from the FX graph cache)")
+        by_graph = collections.defaultdict(list)
+        for w in self.weights:
+            by_graph[w.graph_id].append(w)
+        for g in self.graphs:
+            rows = by_graph[g.graph_id]
+            bound = [w for w in rows if w.status != "refused"]
+            mib = sum(w.bytes for w in bound) / 2**20
+            out.append(f"graph {g.graph_id}: {len(bound)} weight(s) on the copy engine "
+                       f"({mib:.2f} MiB/rank), {len(rows) - len(bound)} refused")
+            width = max([24] + [len(w.param) for w in rows])
+            for w in rows:
+                many = f"  ({w.gathers} gathers)" if w.gathers > 1 else ""
+                if w.status == "refused":
+                    out.append(f"  refused  {w.param:<{width}} {w.reason}{many}")
+                    continue
+                where = {"bound": f"window {w.window} @ {w.offset}",
+                         "fallback": f"stays on the collective backend: {w.reason}"}.get(w.status, w.status)
+                label = w.status if w.status in ("bound", "fallback") else "planned"
+                out.append(f"  {label:<8} {w.param:<{width}} {w.bytes:>12,d} B  {where}{many}")
+            for b in g.buckets:
+                if len(b["members"]) > 1:
+                    out.append(f"  bucket   {b['kind']:<10} {len(b['members'])} members, {b['bytes']:,d} B")
+            if g.reorder:
+                r = g.reorder
+                out.append(f"  overlap  {r['launches']} launch(es), {r['compute_limited']} compute-limited"
+                           + ("" if r["valid"] else " (order rejected: unchanged)"))
+        for i, b in enumerate(self.binds):
+            out.append(f"bind {i}: {len(b.bound)} moved into windows ({b.bytes_bound / 2**20:.2f} MiB), "
+                       f"{len(b.already_bound)} already bound, {len(b.skipped)} skipped, "
+                       f"{b.windows_opened} window(s) opened")
+            for name, why in list(b.skipped.items())[:8]:
+                out.append(f"  skipped  {name}: {why}")
+        for w in self.windows:
+            out.append(f"window {w.dtype}/{w.device} group {list(w.group_ranks)} #{w.index}: "
+                       f"{w.slots} slot(s), {w.used:,d} / {w.nbytes:,d} B ({100 * w.fill:.0f}% full)")
+        return "\n".join(out)
+
+
+def _weights(graphs, binds) -> list[WeightRow]:
+    """Per graph and weight: the record's verdict, completed from the run-time registry."""
+    slots = {s.name: s for s in W.bound_slots()}  # the bind step registers the param name
+    skipped = {}
+    for b in binds:
+        skipped.update(b.skipped)
+    rows = []
+    for g in graphs:
+        for b in g.bound:
+            key = b.get("param") or b["name"]
+            row = WeightRow(g.graph_id, key, b["name"], "not bound yet", b.get("gathers", 1),
+                            b["bytes"], str(b.get("group", "")))
+            slot = slots.get(key)
+            if slot is not None:
+                row.status, row.window, row.offset = "bound", slot.window.index, slot.offset
+            elif key in skipped:
+                row.status, row.reason = "fallback", skipped[key]
+            rows.append(row)
+        for r in g.refused:
+            rows.append(WeightRow(g.graph_id, r.get("param") or r["name"], r["name"], "refused",
+                                  r.get("gathers", 1), reason=r["reason"]))
+    return rows
+
+
+def _kernel_paths(device_types) -> dict:
+    from .runtime import native
+
+    fn = getattr(native, "kernel_path", None)  # present once the runtime reports it
+    if fn is None:
+        return {}
+    out = {}
+    for dev in sorted(device_types):
+        try:
+            out[dev] = fn(dev)
+        except Exception as e:  # noqa: BLE001 (a report must not raise)
+            out[dev] = f"unknown ({e})"
+    return out
+
+
+def explain(print_table: bool = False) -> Explanation:
+    """What torch_ce did in this process: per graph and weight, per bind, per window."""
+    slots_per = collections.Counter(id(s.window) for s in W.bound_slots())
+    wins = []
+    for key, pool in W.pools().items():
+        for w in pool.windows:
+            wins.append(WindowInfo(key[0], key[1], key[2], w.index, w.nbytes, w.used, slots_per[id(w)]))
+    graphs, binds = list(report.graphs), list(report.binds)
+    devices = {w.device for w in wins}
+    if not devices:  # nothing bound yet: the kernels a bind would use here
+        import torch
+
+        devices = {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
+    e = Explanation(dataclasses.asdict(config), graphs, binds, wins, _weights(graphs, binds),
+                    _kernel_paths(devices))
+    if print_table:
+        print(e.table())
+    return e
