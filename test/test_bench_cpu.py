@@ -282,3 +282,14 @@ def test_peer_order_variants():
     assert e2e_variant.peer_order_of("ce_fixed", a) == dict(order="fixed", chunk_mib=0)
     assert e2e_variant.peer_order_of("ce_chunk_cg", a) == dict(order="rotated", chunk_mib=2.0)
     assert e2e_variant.peer_order_of("ce", a) == {} and e2e_variant.peer_order_of("nccl", a) == {}
+
+
+def test_ops_summary_prints_the_peer_order_ab(capsys):
+    rec = lambda us, gbps: dict(us=us, gbps=gbps, us_issue=us, cpu_enqueue_us_per_call=1.0)  # noqa: E731
+    e = dict(mib=64, errors={}, exact=True, kernel="C++", peer_order=["rotated", 0],
+             nccl=rec(664.0, 303.0), ce1=rec(600.0, 335.0), ce8=rec(610.0, 330.0),
+             ce1_fixed=rec(901.0, 224.0), ce8_member=rec(615.0, 327.0), ce1_over_fixed_bw=1.502)
+    ops_report.print_summary(dict(sizes=[e], args=dict(peer_chunk_mib=1.0), targets=[]), 4)
+    out = capsys.readouterr().out
+    ab = out[out.index("peer order A/B"):]
+    assert "['rotated', 0]" in ab and "901.0 / 224" in ab and "1.502" in ab and "615.0 / 327" in ab
