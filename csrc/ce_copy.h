@@ -1,7 +1,9 @@
-// torch_ce: the two ways one bucket of copies reaches the copy engines.
+// torch_ce: the order of one bucket's reads, and the two ways its copies reach
+// the copy engines.
 //
 // Used by the torch kernels (ce_torch.cpp); header-only and free of torch
-// headers, so the copy calls read on their own.
+// headers, so the copy calls read on their own (and read_plan compiles and
+// runs on a machine without a GPU: test/test_build.py).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,7 +11,98 @@
 #include <stddef.h>
 #include <string.h>
 
+#include <vector>
+
 namespace torch_ce_copy {
+
+// # NOTE [peer order]
+// Which rank a gather reads when. Every rank gathers the same bucket at about
+// the same time, so the order is what decides how many readers one rank's
+// NVLink egress serves at once. In a fixed order (0, 1, ..., W-1) every rank
+// reads rank 0 first, then rank 1: W-1 readers share one egress (~477 GB/s
+// per direction on an H200) while the others idle; at W = 4 that read at
+// 208-217 GB/s where the rotated order below read at 346-355 GB/s
+// (shared/probes/rotation_probe.py, 256 MiB per peer). At W = 2 both orders
+// are the same. Rotated, rank r reads r+1, r+2, ..., r-1 (mod W): at step k
+// every rank reads a different peer (r+k is a permutation of the ranks), so
+// every egress serves exactly one reader. NCCL rotates its peers likewise.
+//
+// Peer-major, not member-major. A bucket's reads go out peer by peer (all
+// members from r+1, then all from r+2, ...). Both are one-reader-per-egress
+// while the ranks run in step, since every rank's bucket has the same member
+// sizes. They differ when the ranks do not start together (there is no
+// barrier: each rank issues when its own stream gets there). A rank that is
+// d bytes behind a peer reads from the same egress as that peer only near a
+// step boundary: peer-major steps last a whole bucket per peer, so the
+// overlap is ~d / (bucket bytes) of the time, and only for the pair whose
+// offsets differ by one; member-major steps last one member's slab, so past
+// one slab of skew the two ranks' peers line up at random, and with many
+// members that is ~1/(W-1) of the time for every pair: back towards the
+// fixed order's pile-up.
+//
+// Chunked interleave (chunk > 0, off by default until measured): each peer
+// read is cut into `chunk`-byte pieces and the pieces go out round-robin over
+// the peers (piece 0 from r+1, r+2, ..., r-1, then piece 1, ...). If the copy
+// engines run several entries of one batch at once, a rank then reads W-1
+// different peers at every instant, and a late rank still spreads its reads;
+// if they run the entries one after the other it is member-major with short
+// steps, and the extra entries cost submission time. Which holds is what the
+// GPU run measures (docs/perf-notes.md section 10).
+//
+// The knob (TORCH_CE_PEER_ORDER, runtime/native.py) picks one of three orders;
+// the last two exist for A/B runs:
+//   rotated         rotated, peer-major (the default)
+//   rotated-member  rotated, member-major
+//   fixed           0, 1, ..., W-1, member-major: the order before issue 16
+// The own rows (source == rank) come last in a rotated order ((r + W) mod W)
+// and at their place in the fixed one; the gather normally copies them on a
+// second stream (NOTE [native gather path]) and leaves them out of the plan.
+enum PeerOrder : int { kFixed = 0, kRotated = 1, kRotatedMember = 2 };
+
+// The source rank of step k (0 <= k < world) of rank `rank`'s reads, own rows
+// included.
+inline int source_at(int rank, int world, int k, int order) {
+  return order == kFixed ? k : (rank + 1 + k) % world;
+}
+
+// One copy of a read plan: bytes [offset, offset + size) of `member`'s slab
+// from `source`.
+struct Piece {
+  int source;
+  size_t member;
+  size_t offset;
+  size_t size;
+};
+
+// The copies of one bucket of `members` slabs of `bytes[m]` each, in submission
+// order (NOTE [peer order]): whole slabs when chunk == 0, else pieces of at
+// most `chunk` bytes round-robin over the sources. The own slab is included
+// only when `own` is true. The same plan on every rank but for the sources.
+inline std::vector<Piece> read_plan(int rank, int world, const size_t* bytes,
+                                    size_t members, size_t chunk, int order,
+                                    bool own) {
+  std::vector<int> sources;
+  for (int k = 0; k < world; ++k) {
+    const int s = source_at(rank, world, k, order);
+    if (s != rank || own) sources.push_back(s);
+  }
+  std::vector<Piece> plan;
+  if (chunk == 0 && order == kRotated) {  // peer-major
+    for (int s : sources)
+      for (size_t m = 0; m < members; ++m) plan.push_back({s, m, 0, bytes[m]});
+    return plan;
+  }
+  for (size_t m = 0; m < members; ++m) {  // member-major, or chunk-major
+    const size_t step = chunk == 0 ? bytes[m] : chunk;
+    size_t off = 0;
+    do {
+      const size_t n = bytes[m] - off < step ? bytes[m] - off : step;
+      for (int s : sources) plan.push_back({s, m, off, n});
+      off += n;
+    } while (off < bytes[m]);
+  }
+  return plan;
+}
 
 // True if cudaMemcpyBatchAsync is usable: compiled against and running on
 // CUDA >= 12.8 (where it appeared).

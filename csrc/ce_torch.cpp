@@ -11,10 +11,11 @@
 // run 2): at 1024 tokens the forward was CPU-bound. Here a gather of bound
 // shards is: one registry lookup per member, the outputs allocated on the
 // current stream, one event so the copy streams start after that allocation,
-// the peer reads in one cudaMemcpyBatchAsync on the peer-copy stream, this
-// rank's own rows on a second (local-copy) stream so the DtoD copy runs beside
-// the peer reads instead of inside their batch, and a C++ c10d Work per bucket
-// whose wait() is one cudaStreamWaitEvent.
+// the peer reads in one cudaMemcpyBatchAsync on the peer-copy stream (in the
+// order of NOTE [peer order] in ce_copy.h: rotated, so no peer's link serves
+// every reader at once), this rank's own rows on a second (local-copy) stream
+// so the DtoD copy runs beside the peer reads instead of inside their batch,
+// and a C++ c10d Work per bucket whose wait() is one cudaStreamWaitEvent.
 //
 // The registry here mirrors the Python one (torch_ce/runtime/windows.py, whose
 // register() and release_all() are the only writers). Anything the fast path
@@ -24,7 +25,8 @@
 // (torch_ce::gather_python), which raises the clear errors, runs the
 // collective fallbacks and owns the park; its bound members come back here
 // through torch_ce_native::gather_bound. While a CUDA graph is being captured
-// the copies go out one cudaMemcpyAsync each (capturable) and the outputs are
+// the copies go out one cudaMemcpyAsync each (capturable; same order, so a
+// chunked plan is one graph node per piece) and the outputs are
 // not record_stream'd (a block with a pending stream use stays allocated in
 // the graph's pool after capture, which CUDA-graph trees reject): the
 // consumer's wait_tensor joins the copy streams back before any use or free of
@@ -74,6 +76,9 @@ struct Slot {
 std::mutex g_mu;
 std::unordered_map<uintptr_t, std::shared_ptr<const Slot>> g_slots;
 std::atomic<bool> g_split_local{true};
+// NOTE [peer order] in ce_copy.h; set from the environment by runtime/native.py.
+std::atomic<int> g_peer_order{torch_ce_copy::kRotated};
+std::atomic<size_t> g_peer_chunk{0};  // bytes; 0: whole slabs
 // Set while prefetched outputs are parked in Python (NOTE [cross-call prefetch] in
 // torch_ce/runtime/prefetch.py): every bucket then goes to the Python kernel,
 // which owns the park.
@@ -240,6 +245,8 @@ std::vector<at::Tensor> gather_slots(
 
   std::vector<at::Tensor> outs;
   outs.reserve(shards.size());
+  std::vector<char*> bases;
+  std::vector<size_t> bytes;
   std::vector<void*> peer_dst, local_dst;
   std::vector<const void*> peer_src, local_src;
   std::vector<size_t> peer_size, local_size;
@@ -248,13 +255,27 @@ std::vector<at::Tensor> gather_slots(
     std::vector<int64_t> sizes = slot.shape;
     sizes[0] *= group_size;
     outs.push_back(at::empty(sizes, shards[i].options()));
-    char* base = static_cast<char*>(outs.back().data_ptr());
-    for (int64_t r = 0; r < group_size; ++r) {
-      const bool own = r == slot.rank && split;
-      (own ? local_dst : peer_dst).push_back(base + r * slot.nbytes);
-      (own ? local_src : peer_src).push_back(slot.peer_ptrs[r]);
-      (own ? local_size : peer_size).push_back(static_cast<size_t>(slot.nbytes));
+    bases.push_back(static_cast<char*>(outs.back().data_ptr()));
+    bytes.push_back(static_cast<size_t>(slot.nbytes));
+    if (split) {
+      local_dst.push_back(bases.back() + slot.rank * slot.nbytes);
+      local_src.push_back(slot.peer_ptrs[slot.rank]);
+      local_size.push_back(bytes.back());
     }
+  }
+  // Every member of a bucket has the same rank (one group).
+  const auto plan = torch_ce_copy::read_plan(
+      static_cast<int>(slots[0]->rank), static_cast<int>(group_size),
+      bytes.data(), bytes.size(), g_peer_chunk.load(std::memory_order_relaxed),
+      g_peer_order.load(std::memory_order_relaxed), !split);
+  peer_dst.reserve(plan.size());
+  peer_src.reserve(plan.size());
+  peer_size.reserve(plan.size());
+  for (const auto& p : plan) {
+    peer_dst.push_back(bases[p.member] + p.source * bytes[p.member] + p.offset);
+    peer_src.push_back(static_cast<const char*>(slots[p.member]->peer_ptrs[p.source]) +
+                       p.offset);
+    peer_size.push_back(p.size);
   }
 
   // The outputs were allocated on the current stream: the copies start after.
@@ -386,6 +407,14 @@ void set_split_local_copy(bool split) {
   g_split_local.store(split, std::memory_order_relaxed);
 }
 
+void set_peer_order(int64_t order, int64_t chunk_bytes) {
+  TORCH_CHECK(order >= torch_ce_copy::kFixed && order <= torch_ce_copy::kRotatedMember,
+              "torch_ce: set_peer_order: unknown order ", order);
+  TORCH_CHECK(chunk_bytes >= 0, "torch_ce: set_peer_order: negative chunk");
+  g_peer_order.store(static_cast<int>(order), std::memory_order_relaxed);
+  g_peer_chunk.store(static_cast<size_t>(chunk_bytes), std::memory_order_relaxed);
+}
+
 void set_prefetch_pending(bool pending) {
   g_prefetch_pending.store(pending, std::memory_order_relaxed);
 }
@@ -402,6 +431,7 @@ TORCH_LIBRARY(torch_ce_native, m) {
         &gather_bound);
   m.def("slot_count() -> int", &slot_count);
   m.def("set_split_local_copy(bool split) -> ()", &set_split_local_copy);
+  m.def("set_peer_order(int order, int chunk_bytes) -> ()", &set_peer_order);
   m.def("set_prefetch_pending(bool pending) -> ()", &set_prefetch_pending);
 }
 

@@ -1,8 +1,10 @@
-"""Test scaffolding for the C++ kernels on one GPU (not part of the library).
+"""Test scaffolding for the GPU tests (not part of the library).
 
+    GPU_WORLD, needs_gpu_world   ranks of the multi-GPU tests: TORCH_CE_GPU_WORLD (default 2);
+                                 the tests skip with fewer visible GPUs
     register_loopback(mine, peer, group, rank=0) -> Slot
 
-Binds ``mine`` as a 2-rank slot whose other rank's copy is the local tensor ``peer``:
+One GPU: binds ``mine`` as a 2-rank slot whose other rank's copy is the local tensor ``peer``:
 symmetric memory refuses two ranks on one device, but the gather mechanics (registry, copy
 streams, events, batch submission, c10d work, graph capture) do not care where the peer
 copy lives. ``rank`` is this rank's position in the pair. The slot goes through
@@ -11,7 +13,17 @@ Used by test/test_native_cuda.py and, by path, bench/issue_cost.py.
 """
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
+
+GPU_WORLD = int(os.environ.get("TORCH_CE_GPU_WORLD", "2"))
+if GPU_WORLD < 2:
+    raise ValueError(f"TORCH_CE_GPU_WORLD={GPU_WORLD}: the multi-GPU tests need at least 2 ranks")
+needs_gpu_world = pytest.mark.skipif(
+    torch.cuda.device_count() < GPU_WORLD,
+    reason=f"needs {GPU_WORLD} GPUs (TORCH_CE_GPU_WORLD={GPU_WORLD})")
 
 
 def register_loopback(mine: torch.Tensor, peer: torch.Tensor, group, rank: int = 0):

@@ -5,11 +5,11 @@ import json
 import pytest
 
 from torch_ce.bench import common as C
-from torch_ce.bench import e2e, e2e_report, e2e_variant, ops, ops_report, trace
+from torch_ce.bench import e2e, e2e_report, e2e_variant, ops, ops_report, scaling, trace
 from torch_ce.bench import ranks as R
 
 
-@pytest.mark.parametrize("mod", [ops, e2e])
+@pytest.mark.parametrize("mod", [ops, e2e, scaling])
 def test_help_exits_0(mod, capsys):
     with pytest.raises(SystemExit) as e:
         mod.parse_args(["--help"])
@@ -17,7 +17,7 @@ def test_help_exits_0(mod, capsys):
     assert "torch-ce bench" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("sub", ["ops", "e2e"])
+@pytest.mark.parametrize("sub", ["ops", "e2e", "plot-scaling"])
 def test_cli_help_exits_0(sub):
     from torch_ce.cli import main
 
@@ -235,3 +235,61 @@ def test_exchange_two_ranks():
     for everyone, err in run_ranks(_rank_exchange, 2, timeout=60):
         assert everyone == [dict(rank=r, t=[r, "é" * (5 + 40 * r)], none=None, ok=r == 0) for r in range(2)]
         assert err == "[rank 1] boom"
+
+
+def _ops_json(path, world, sizes):
+    """A results file shaped like ops_h200_w2.json: per size, us and GB/s per variant."""
+    entries = []
+    for mib, per in sizes.items():
+        e = dict(mib=mib, errors={}, exact=True)
+        for v, gbps in per.items():
+            e[v] = dict(us=round((world - 1) * mib * 2**20 / (gbps * 1e3), 2), gbps=gbps)
+        entries.append(e)
+    C.write_json(str(path), dict(bench="ops", world_size=world, sizes=entries), dict(world_size=world))
+
+
+def test_plot_scaling(tmp_path, capsys):
+    _ops_json(tmp_path / "ops_h200_w2.json", 2, {1: dict(nccl=51.0, ce1=67.0), 64: dict(nccl=230.0, ce1=337.0)})
+    _ops_json(tmp_path / "ops_h200_w4.json", 4, {1: dict(nccl=79.0, ce1=152.0, ce1_fixed=140.0),
+                                                 64: dict(nccl=303.0, ce1=340.0, ce1_fixed=224.0),
+                                                 256: dict(ce1=350.0)})
+    _ops_json(tmp_path / "run6_ops_h200_w8.json", 8, {1: dict(ce1=1.0)})  # an old run: left out
+    (tmp_path / "ops_h200_w8.json").write_text(json.dumps(dict(world_size=8, sizes=[dict(mib=1, errors={"x": "y"})])))
+    lines = scaling.series(scaling.load(str(tmp_path), "h200"))
+    got = {(ln["world"], ln["transport"]): list(zip(ln["mib"], ln["gbps"])) for ln in lines}
+    assert got == {(2, "nccl"): [(1, 51.0), (64, 230.0)], (2, "ce1"): [(1, 67.0), (64, 337.0)],
+                   (4, "nccl"): [(1, 79.0), (64, 303.0)], (4, "ce1"): [(1, 152.0), (64, 340.0), (256, 350.0)],
+                   (4, "ce1_fixed"): [(1, 140.0), (64, 224.0)]}
+    rc = scaling.main(["--results", str(tmp_path)])
+    png = tmp_path / "ops_scaling_h200.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert rc == 1 and not png.exists() and "matplotlib not installed" in capsys.readouterr().out
+    else:
+        assert rc == 0 and png.stat().st_size > 0
+    assert scaling.main(["--results", str(tmp_path), "--gpu", "h100"]) == 1  # nothing to plot
+
+
+def test_peer_order_variants():
+    """bench ops' A/B variants pin their order (the library's may come from the environment)."""
+    v = ops.order_variants(1.0)
+    assert v["ce1_fixed"] == ("ce1", dict(order="fixed", chunk_mib=0))
+    assert v["ce8_member"] == ("ce8", dict(order="rotated-member", chunk_mib=0))
+    assert v["ce8_chunk"] == ("ce8", dict(order="rotated", chunk_mib=1.0))
+    assert set(ops.order_variants(0)) == {"ce1_fixed", "ce8_fixed", "ce8_member"}
+    a = dict(peer_chunk_mib=2.0)
+    assert e2e_variant.peer_order_of("ce_fixed", a) == dict(order="fixed", chunk_mib=0)
+    assert e2e_variant.peer_order_of("ce_chunk_cg", a) == dict(order="rotated", chunk_mib=2.0)
+    assert e2e_variant.peer_order_of("ce", a) == {} and e2e_variant.peer_order_of("nccl", a) == {}
+
+
+def test_ops_summary_prints_the_peer_order_ab(capsys):
+    rec = lambda us, gbps: dict(us=us, gbps=gbps, us_issue=us, cpu_enqueue_us_per_call=1.0)  # noqa: E731
+    e = dict(mib=64, errors={}, exact=True, kernel="C++", peer_order=["rotated", 0],
+             nccl=rec(664.0, 303.0), ce1=rec(600.0, 335.0), ce8=rec(610.0, 330.0),
+             ce1_fixed=rec(901.0, 224.0), ce8_member=rec(615.0, 327.0), ce1_over_fixed_bw=1.502)
+    ops_report.print_summary(dict(sizes=[e], args=dict(peer_chunk_mib=1.0), targets=[]), 4)
+    out = capsys.readouterr().out
+    ab = out[out.index("peer order A/B"):]
+    assert "['rotated', 0]" in ab and "901.0 / 224" in ab and "1.502" in ab and "615.0 / 327" in ab

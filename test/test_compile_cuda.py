@@ -1,20 +1,20 @@
-"""End to end on 2 GPUs: plain torch.compile of a SimpleFSDP decoder with the copy engine.
+"""End to end on TORCH_CE_GPU_WORLD GPUs (default 2): plain torch.compile of a SimpleFSDP decoder with the copy engine.
 
 The compiled CE output equals the compiled NCCL-transport output and eager, the generated
 code calls the magi ops, the parameters view the windows after the first run, and a
 profiler trace of the CE run shows peer copies and no NCCL kernel (no SM runs a gather).
-Skipped without 2 GPUs (CI); run on the device machine.
+Skipped with fewer GPUs (CI); run on the device machine.
 """
 from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
+from cuda_helpers import GPU_WORLD, needs_gpu_world
 from mp_harness import run_ranks
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+pytestmark = needs_gpu_world
 
 
 def _e2e(rank, world, cache_root):
@@ -68,7 +68,7 @@ def _e2e(rank, world, cache_root):
 
 
 def test_compiled_decoder_gathers_on_copy_engine(tmp_path):
-    res = run_ranks(_e2e, 2, str(tmp_path), backend="nccl", timeout=600)
+    res = run_ranks(_e2e, GPU_WORLD, str(tmp_path), backend="nccl", timeout=600)
     for r in res:
         print(r)
         assert r["ce_in_code"] and not r["nccl_gather_in_code"], r

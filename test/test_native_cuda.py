@@ -4,8 +4,9 @@ One GPU: a single rank with loopback slots (``cuda_helpers.register_loopback``: 
 is a second local tensor, since symmetric memory refuses two ranks on one device) checks
 the kernel's mechanics exactly against ``torch.cat``: registry, both copy streams, events,
 the batch submission, the c10d work, the hand-off to the Python kernel, graph capture and
-CUDA-graph trees. Two GPUs: two ranks with real symmetric windows (NCCL group), compared
-exactly with NCCL's gather of the same shards.
+CUDA-graph trees. Several GPUs (TORCH_CE_GPU_WORLD, default 2): that many ranks with real
+symmetric windows (NCCL group), compared exactly with NCCL's gather of the same shards, in
+every peer order (NOTE [peer order] in csrc/ce_copy.h).
 
 Skipped without a GPU or without the built C++ library (CPU torch, no nvcc).
 """
@@ -17,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cuda_helpers import register_loopback
+from cuda_helpers import GPU_WORLD, needs_gpu_world, register_loopback
 from mp_harness import count_gathers, reference_all_gather, run_ranks
 
 pytestmark = [
@@ -28,10 +29,7 @@ pytestmark = [
         reason="the C++ gather kernels are not built (CPU torch or no nvcc)"),
 ]
 
-WS = 2
-
-
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+WS = GPU_WORLD
 
 
 def _device(rank: int) -> torch.device:
@@ -54,7 +52,7 @@ def _hand_off_errors(dev, shard, world, name) -> dict:
     errors = {}
     for label, call in (
         ("unbound", lambda: torch.ops.magi.ce_all_gather(torch.randn(8, device=dev), world, name)),
-        ("group_size", lambda: torch.ops.magi.ce_all_gather(shard, 3, name)),
+        ("group_size", lambda: torch.ops.magi.ce_all_gather(shard, world + 1, name)),
         ("dead_group", lambda: torch.ops.magi.ce_all_gather(shard, world, "no-such-group")),
     ):
         try:
@@ -271,10 +269,18 @@ def _exact(rank, world):
     res["python_submissions_python"] = sum(py.values())
     res["errors"] = _hand_off_errors(dev, shards[0], world, name)
     res["ordered_exact"] = _ordered_exact(shards[3], world, name, refs[3])
+    # Every peer order and a chunked plan land the same bytes. 20 KiB pieces: the 32 KiB
+    # member is a piece and a shorter one, the 8 MiB member 410 pieces per peer, the small
+    # members one piece each.
+    res["orders_exact"] = {}
+    for kw in (dict(order="fixed"), dict(order="rotated-member"), dict(order="rotated", chunk_mib=20 / 1024)):
+        with native.peer_order_as(**kw):
+            outs = [_wait(o).cpu() for o in torch.ops.magi.ce_all_gather_coalesced(shards, world, name)]
+        res["orders_exact"][str(kw)] = [bool(torch.equal(a, b)) for a, b in zip(outs, refs)]
     return res
 
 
-@two_gpus
+@needs_gpu_world
 def test_native_gathers_exact_and_hand_off():
     for r in run_ranks(_exact, WS, backend="nccl", timeout=300):
         print(r)
@@ -282,6 +288,7 @@ def test_native_gathers_exact_and_hand_off():
         assert r["python_submissions_native"] == 0, r  # the C++ kernel served every gather
         assert all(r["single_exact"]) and all(r["coalesced_exact"]), r
         assert all(r["python_exact"]) and r["python_submissions_python"] > 0, r
+        assert len(r["orders_exact"]) == 3 and all(all(v) for v in r["orders_exact"].values()), r
         _assert_hand_off_and_order(r)
 
 
@@ -317,7 +324,7 @@ def _graph(rank, world):
     return res
 
 
-@two_gpus
+@needs_gpu_world
 def test_native_gather_in_cuda_graph():
     for r in run_ranks(_graph, WS, backend="nccl", timeout=300):
         print(r)
@@ -362,7 +369,7 @@ def _compiled_cudagraphs(rank, world, cache_root):
     return res
 
 
-@two_gpus
+@needs_gpu_world
 def test_compiled_ce_with_cuda_graphs(tmp_path):
     for r in run_ranks(_compiled_cudagraphs, WS, str(tmp_path), backend="nccl", timeout=600):
         print(r)

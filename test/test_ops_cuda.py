@@ -1,7 +1,8 @@
-"""The op layer on 2 GPUs: magi::ce_all_gather[_coalesced] over the copy-engine transport
+"""The op layer on GPUs: magi::ce_all_gather[_coalesced] over the copy-engine transport
 (symmetric-memory windows, cudaMemcpyBatchAsync peer reads) with NCCL process groups.
 
-Skipped unless 2 GPUs are visible; runs with plain ``pytest test/test_ops_cuda.py``.
+Runs on TORCH_CE_GPU_WORLD ranks (default 2; ``cuda_helpers``), skipped with fewer GPUs;
+``TORCH_CE_GPU_WORLD=4 pytest test/test_ops_cuda.py`` on a 4-GPU machine.
 Every gather is compared EXACTLY with NCCL's all_gather_into_tensor of the same shards,
 through the C++ kernels and through the opted-in pure-torch fallback.
 """
@@ -12,12 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cuda_helpers import GPU_WORLD, needs_gpu_world
 from mp_harness import count_gathers, run_ranks
 from mp_harness import reference_all_gather as _ref_gather
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+pytestmark = needs_gpu_world
 
-WS = 2
+WS = GPU_WORLD
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SLEEP_CYCLES = int(2e8)  # ~0.1 s of torch.cuda._sleep at H200 clocks: >> the CPU issue time
 SENTINEL = -12345.0  # exactly representable in all three dtypes; randn never yields it

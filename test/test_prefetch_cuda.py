@@ -1,23 +1,23 @@
-"""Cross-call prefetch on two GPUs (NOTE [cross-call prefetch] in torch_ce/prefetch.py).
+"""Cross-call prefetch on TORCH_CE_GPU_WORLD GPUs (default 2) (NOTE [cross-call prefetch] in torch_ce/prefetch.py).
 
 A compiled SimpleFSDP decoder over the CE transport with ``prefetch_next_call_mib``: on
 fresh random inputs each call its outputs equal the same compile without the prefetch bit
 for bit, and it takes every prefetched weight from the park (the C++ kernels hand those
 buckets to the Python kernel). Under CUDA-graph trees the compile inserts no prefetch and
 still records and replays exactly.
-Skipped without 2 GPUs.
+Skipped with fewer GPUs.
 """
 from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 
+from cuda_helpers import GPU_WORLD, needs_gpu_world
 from mp_harness import run_ranks
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+pytestmark = needs_gpu_world
 
 
 def _prefetch_compiled(rank, world, cache_root):
@@ -68,8 +68,8 @@ def _prefetch_compiled(rank, world, cache_root):
     return res
 
 
-def test_prefetch_across_calls_two_gpus(tmp_path):
-    for r in run_ranks(_prefetch_compiled, 2, str(tmp_path), backend="nccl", timeout=600):
+def test_prefetch_across_calls_on_gpus(tmp_path):
+    for r in run_ranks(_prefetch_compiled, GPU_WORLD, str(tmp_path), backend="nccl", timeout=600):
         print(r)
         assert all(r["plain_exact"]) and all(r["graphs_exact"]), r
         assert r["members"] >= 1, r

@@ -223,9 +223,11 @@ def env_info(world_size: int | None = None) -> dict:
 
         info["torch_ce"] = torch_ce.__version__
         info["ce_gather_kernel"] = native.kernel_path("cuda" if is_cuda() else "cpu")
+        info["peer_order"] = list(native.peer_order())  # (order, chunk bytes), NOTE [peer order]
     except Exception as e:
         info["torch_ce_error"] = repr(e)
-    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "CUDA_VISIBLE_DEVICES"):
+    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "CUDA_VISIBLE_DEVICES",
+              "TORCH_CE_PEER_ORDER", "TORCH_CE_PEER_CHUNK_MIB"):
         if k in os.environ:
             info.setdefault("env", {})[k] = os.environ[k]
     return info

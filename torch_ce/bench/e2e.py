@@ -13,7 +13,9 @@ from the same seed, so all compute the same function:
   ce_noreorder  torch_ce.enable(transport="copy_engine", reorder=False)
   bound         the same model replicated on every GPU (no DTensor, no communication)
 
-and, not in the default set: ``ce_prefetch``, the ce variant prefetching the next forward's
+and, not in the default set: ``ce_fixed`` and ``ce_chunk``, the ce variant with its peer
+reads in the order before issue 16 (every rank reads rank 0 first) or in chunked
+interleave (``--peer-chunk-mib``; NOTE [peer order] in csrc/ce_copy.h); ``ce_prefetch``, the ce variant prefetching the next forward's
 first weights at the end of each forward (``prefetch_next_call_mib``, NOTE [cross-call
 prefetch] in torch_ce/runtime/prefetch.py; ``--prefetch-mib``, by default one decoder layer), and
 ``*_cg``, a variant compiled for CUDA graphs. Every variant starts from the default config.
@@ -41,10 +43,11 @@ from . import common as C
 from . import ranks as R
 from .e2e_report import (TARGETS_TEXT, draw, local_checks, merge_previous, print_summary,
                          score)
-from .e2e_variant import cleanup, fresh_caches, run_variant
+from .e2e_variant import cleanup, fresh_caches, peer_order_of, run_variant
 from .trace import trace_line
 
-VARIANTS = ("nccl", "ce", "ce_noreorder", "ce_prefetch", "bound", "nccl_cg", "ce_cg", "bound_cg")
+VARIANTS = ("nccl", "ce", "ce_fixed", "ce_chunk", "ce_noreorder", "ce_prefetch", "bound", "nccl_cg",
+            "ce_cg", "bound_cg")
 DEFAULT_VARIANTS = ("nccl", "ce", "ce_noreorder", "bound")
 # *_cg: the same variant compiled with mode="reduce-overhead" (CUDA graphs): no per-op
 # CPU issue cost at replay.
@@ -74,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefetch-mib", type=float, default=0.0,
                    help="prefetch_next_call_mib of the ce_prefetch variant (default 0: one "
                         "decoder layer's gathered weights)")
+    p.add_argument("--peer-chunk-mib", type=float, default=1.0,
+                   help="piece size of the ce_chunk variant's peer reads (default 1)")
     p.add_argument("--save-code", action="store_true",
                    help="also write rank 0's generated code of the CE variant (first token "
                         "count) to <out>/e2e_code_ce.py")
@@ -100,6 +105,7 @@ def _worker(rank: int, world: int, a: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import torch_ce
+    from torch_ce.runtime import native
 
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated.*")
     cache_dir = fresh_caches(rank)
@@ -139,7 +145,8 @@ def _worker(rank: int, world: int, a: dict) -> None:
             C.log(f"[e2e] T={T} {name}: building and compiling ...")
             err, rec, y = None, {}, None
             try:
-                y = run_variant(name, a, x, mesh, rank, world, a["trace"] and name in ("ce", "bound"), rec)
+                with native.peer_order_as(**peer_order_of(name, a)):
+                    y = run_variant(name, a, x, mesh, rank, world, a["trace"] and name in ("ce", "bound"), rec)
             except Exception as e:  # noqa: BLE001
                 err = C.short_error(e)
                 C.log_all(f"[e2e] T={T} {name} FAILED: {e!r}")

@@ -124,6 +124,18 @@ def cleanup(torch, torch_ce) -> None:
         torch.cuda.empty_cache()
 
 
+def peer_order_of(name: str, a: dict) -> dict:
+    """``native.peer_order_as`` arguments of a variant: ce_fixed reads in the order before
+    issue 16, ce_chunk in ``--peer-chunk-mib`` pieces (NOTE [peer order] in
+    csrc/ce_copy.h); every other variant keeps the library's order."""
+    base = name[:-3] if name.endswith("_cg") else name
+    if base == "ce_fixed":
+        return dict(order="fixed", chunk_mib=0)
+    if base == "ce_chunk":
+        return dict(order="rotated", chunk_mib=a["peer_chunk_mib"])
+    return {}
+
+
 def run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool, rec: dict):
     """Build, compile and time one variant, filling ``rec`` as it goes (so a failure keeps
     what was measured); returns this rank's output of the first call."""
@@ -144,7 +156,7 @@ def run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool,
     base = name[:-3] if graphs else name
     if base == "nccl":
         torch_ce.enable(transport="nccl", reorder=True)
-    elif base == "ce":
+    elif base in ("ce", "ce_fixed", "ce_chunk"):  # the last two: peer_order_of
         torch_ce.enable(transport="copy_engine", reorder=True)
     elif base == "ce_noreorder":
         torch_ce.enable(transport="copy_engine", reorder=False)

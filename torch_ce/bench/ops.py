@@ -6,13 +6,22 @@ For each per-rank size (MiB, bf16) on every GPU of the machine (or the torchrun 
   ce1    ``magi.ce_all_gather_coalesced([shard])``: one bound member of that size
   ce8    ``magi.ce_all_gather_coalesced(members)``: eight bound members totalling it
 
+and, with the C++ kernel, A/B variants of the peer-read order (NOTE [peer order] in
+csrc/ce_copy.h; ce1 and ce8 use the library's order, rotated unless TORCH_CE_PEER_ORDER
+says otherwise):
+
+  ce1_fixed, ce8_fixed   the order before issue 16 (every rank reads rank 0 first)
+  ce8_member             rotated, member-major (ce8 is peer-major)
+  ce1_chunk, ce8_chunk   rotated, chunked interleave of ``--peer-chunk-mib`` pieces
+  ce1_inbatch            ce1 with this rank's own rows inside the peer batch
+
 each timed as wait(launch()) on the current stream (the op, then ``wait_tensor`` on every
 output), CUDA events around each call, median. Two timings per variant: ``us`` is device
 time (the stream is parked on a sleep kernel while the CPU enqueues every call, so CPU
 issue cost is hidden, as inside a compiled model that runs ahead); ``us_issue`` is the same
 loop without the head start (what an issue-bound eager loop sees). GB/s = bytes read from
 peers per rank, (world - 1) * size / time. Every size checks once that the CE outputs
-equal NCCL's exactly.
+(every variant) equal NCCL's exactly.
 
 Then SM contention: a bf16 8192^3 matmul alone, beside a loop of NCCL all-gathers and
 beside a loop of CE gathers (256 MiB per rank) on a side stream (shared/probes/p2p_probe.py).
@@ -43,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50, help="timed calls per variant and size (default 50)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
     p.add_argument("--members", type=int, default=8, help="members of the coalesced CE variant (default 8)")
+    p.add_argument("--peer-chunk-mib", type=float, default=1.0,
+                   help="piece size of the ce1_chunk / ce8_chunk variants (default 1; 0: no "
+                        "chunk variants)")
     p.add_argument("--no-contention", action="store_true", help="skip the matmul SM-contention test")
     p.add_argument("--mm-size", type=int, default=8192, help="square bf16 matmul size (default 8192)")
     p.add_argument("--contention-mib", type=float, default=256.0,
@@ -69,6 +81,18 @@ def _gbps(world: int, nbytes: int, us: float | None) -> float | None:
     if not us:
         return None
     return (world - 1) * nbytes / (us * 1e-6) / 1e9
+
+
+def order_variants(chunk_mib: float) -> dict:
+    """The peer-order A/B variants: name -> (the bucket it gathers, ``ce1`` or ``ce8``;
+    ``native.peer_order_as`` arguments)."""
+    v = {"ce1_fixed": ("ce1", dict(order="fixed", chunk_mib=0)),
+         "ce8_fixed": ("ce8", dict(order="fixed", chunk_mib=0)),
+         "ce8_member": ("ce8", dict(order="rotated-member", chunk_mib=0))}
+    if chunk_mib > 0:
+        v["ce1_chunk"] = ("ce1", dict(order="rotated", chunk_mib=chunk_mib))
+        v["ce8_chunk"] = ("ce8", dict(order="rotated", chunk_mib=chunk_mib))
+    return v
 
 
 def _iters_for(nbytes: int, world: int, iters: int) -> int:
@@ -201,24 +225,25 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
         finally:
             native.set_split_local_copy(True)
 
+    ordered = order_variants(a["peer_chunk_mib"]) if native.loaded() else {}
+
     # Exactness: CE outputs vs NCCL's, once per size (every rank checks; all must agree).
     exact: dict = {}
     err = None
     try:
-        ref = torch.empty(world * n, dtype=bf16, device=dev)
-        dist.all_gather_into_tensor(ref, big)
-        o1 = [wait(o) for o in torch.ops.magi.ce_all_gather_coalesced([big], world, gname)]
+        refs = {}
+        for key, shards in (("ce1", [big]), ("ce8", members)):
+            refs[key] = [torch.empty(world * s.numel(), dtype=bf16, device=dev) for s in shards]
+            for r, s in zip(refs[key], shards):
+                dist.all_gather_into_tensor(r, s)
         C.sync()
-        exact["ce1"] = bool(torch.equal(o1[0], ref))
-        outs8 = [wait(o) for o in torch.ops.magi.ce_all_gather_coalesced(members, world, gname)]
-        ok8 = True
-        refm = torch.empty(world * nm, dtype=bf16, device=dev)
-        for mem, o in zip(members, outs8):
-            dist.all_gather_into_tensor(refm, mem)
+        for name, (key, kw) in [("ce1", ("ce1", {})), ("ce8", ("ce8", {}))] + list(ordered.items()):
+            with native.peer_order_as(**kw):
+                outs = [wait(o) for o in torch.ops.magi.ce_all_gather_coalesced(
+                    [big] if key == "ce1" else members, world, gname)]
             C.sync()
-            ok8 = ok8 and bool(torch.equal(o, refm))
-        exact["ce8"] = ok8
-        del ref, o1, outs8, refm
+            exact[name] = all(bool(torch.equal(o, r)) for o, r in zip(outs, refs[key]))
+        del refs, outs
     except Exception as e:  # noqa: BLE001
         err = C.short_error(e)
     err = R.agree_errors(err, sg)
@@ -228,24 +253,27 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
         entry["exact"] = False
         C.log(f"[ops] {mib:g} MiB: exactness check FAILED:\n{err}")
     else:
-        entry["exact_by_variant"] = {k: all(d.get(k, False) for d in all_exact) for k in ("ce1", "ce8")}
+        entry["exact_by_variant"] = {k: all(d.get(k, False) for d in all_exact) for k in exact}
         entry["exact"] = all(entry["exact_by_variant"].values())
 
     iters = _iters_for(nbytes, world, a["iters"])
     entry["iters"] = iters
-    variants = [("nccl", nccl), ("ce1", ce1), ("ce8", ce8)]
+    entry["peer_order"] = list(native.peer_order())  # of ce1 and ce8
+    variants = [("nccl", nccl, {}), ("ce1", ce1, {}), ("ce8", ce8, {})]
     if native.loaded():
-        variants.append(("ce1_inbatch", ce1_inbatch))
+        variants.append(("ce1_inbatch", ce1_inbatch, {}))
+    variants += [(name, ce1 if key == "ce1" else ce8, kw) for name, (key, kw) in ordered.items()]
     entry["kernel"] = "C++" if native.loaded() else "Python"
-    for name, fn in variants:
+    for name, fn, kw in variants:
         if err and name != "nccl":
             entry["errors"][name] = "skipped: the exactness run failed"
             continue
         rec: dict = {}
         verr = None
         try:
-            dev_t = C.time_stats(fn, iters, a["warmup"], head_start=True)
-            iss_t = C.time_stats(fn, iters, 2, head_start=False)
+            with native.peer_order_as(**kw):
+                dev_t = C.time_stats(fn, iters, a["warmup"], head_start=True)
+                iss_t = C.time_stats(fn, iters, 2, head_start=False)
             us, us_issue = dev_t["median_ms"] * 1e3, iss_t["median_ms"] * 1e3
             rec = dict(us=round(us, 2), gbps=_r(_gbps(world, nbytes, us)),
                        us_min=round(dev_t["min_ms"] * 1e3, 2),
@@ -263,11 +291,14 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
         all_us = R.exchange(rec["us"], sg)
         rec["us_max_rank"] = max(all_us)
         entry[name] = rec
-        C.log(f"[ops] {mib:6g} MiB {name:>4}: {rec['us']:9.1f} us {rec['gbps'] or 0:7.1f} GB/s"
+        C.log(f"[ops] {mib:6g} MiB {name:>11}: {rec['us']:9.1f} us {rec['gbps'] or 0:7.1f} GB/s"
               f"   (issue-bound {rec['us_issue']:.1f} us)")
     if "nccl" in entry and "ce1" in entry:
         entry["ce1_over_nccl_latency"] = _r(entry["ce1"]["us"] / entry["nccl"]["us"])
         entry["ce1_over_nccl_bw"] = _r(entry["nccl"]["us"] / entry["ce1"]["us"])
+    for key in ("ce1", "ce8"):  # the rotation's gain: bandwidth, library order over fixed
+        if key in entry and f"{key}_fixed" in entry:
+            entry[f"{key}_over_fixed_bw"] = _r(entry[f"{key}_fixed"]["us"] / entry[key]["us"])
     C.log(f"[ops] {mib:g} MiB: exact {entry.get('exact')}")
     # Drop every reference to the bound shards; forget the windows (memory goes with them).
     big = members = out = None  # the closures above share these cells

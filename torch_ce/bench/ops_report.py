@@ -50,6 +50,16 @@ def print_summary(result: dict, world: int) -> None:
           "CE1 in-batch: own rows inside the peer batch (else on a second copy stream)", flush=True)
     print(C.format_table(["MiB", "NCCL us/GBps", "CE1 us/GBps", "CE8 us/GBps", "CE1 in-batch", "CE1/NCCL",
                           "NCCL issue/CPU", "CE1 issue/CPU", "CE8 issue/CPU", "exact"], rows), flush=True)
+    ab = [v for v in ("ce1", "ce1_fixed", "ce1_chunk", "ce8", "ce8_fixed", "ce8_member", "ce8_chunk")
+          if any(e.get(v) for e in result["sizes"])]
+    if any(v.endswith(("_fixed", "_member", "_chunk")) for v in ab):
+        order = next((e["peer_order"] for e in result["sizes"] if e.get("peer_order")), None)
+        print(f"[ops] peer order A/B (NOTE [peer order]): us / GB/s; ce1, ce8 in the library's "
+              f"order {order}; fixed: every rank reads rank 0 first; member: rotated member-major; "
+              f"chunk: {result['args'].get('peer_chunk_mib')} MiB pieces", flush=True)
+        rows = [[f"{e['mib']:g}"] + [f"{e[v]['us']:.1f} / {e[v]['gbps'] or 0:.0f}" if e.get(v) else "-" for v in ab]
+                + [e.get("ce1_over_fixed_bw", "-"), e.get("ce8_over_fixed_bw", "-")] for e in result["sizes"]]
+        print(C.format_table(["MiB", *ab, "ce1/fixed bw", "ce8/fixed bw"], rows), flush=True)
     c = result.get("contention") or {}
     if "alone_ms" in c:
         print(f"[ops] matmul {c['mm_size']}^3 bf16: alone {c['alone_ms']:.3f} ms "
@@ -67,8 +77,9 @@ def print_summary(result: dict, world: int) -> None:
 
 def draw(plt, result: dict, world: int, tag: str):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    labels = dict(nccl="NCCL all_gather", ce1="CE, 1 member", ce8=f"CE, {result['args']['members']} members")
-    for v, style in (("nccl", "o-"), ("ce1", "s-"), ("ce8", "^--")):
+    labels = dict(nccl="NCCL all_gather", ce1="CE, 1 member", ce8=f"CE, {result['args']['members']} members",
+                  ce1_fixed="CE, 1 member, fixed peer order")
+    for v, style in (("nccl", "o-"), ("ce1", "s-"), ("ce8", "^--"), ("ce1_fixed", "s:")):
         pts = [(e["mib"], e[v]) for e in result["sizes"] if e.get(v)]
         if not pts:
             continue

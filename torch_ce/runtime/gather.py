@@ -2,8 +2,8 @@
 
 On CUDA with the C++ kernels loaded it is their gather (NOTE [native gather path] in
 csrc/ce_torch.cpp). Everywhere else it is ``copy_peers``: per-peer ``copy_`` of each
-slot's ``peer_views`` on the *current* stream. On CPU that is the host transport's memcpy
-(it completes before returning); on CUDA it is the opted-in fallback
+slot's ``peer_views`` on the *current* stream, in the C++ gather's peer order. On CPU that
+is the host transport's memcpy (it completes before returning); on CUDA it is the opted-in fallback
 (``config.cuda_torch_fallback``), ordered by the current stream alone, so its outputs
 carry no c10d work and ``wait_tensor`` on them returns at once (it waits only on work
 registered for the tensor).
@@ -18,12 +18,26 @@ from . import native
 from .windows import Slot
 
 
+def peer_order(rank: int, world: int, order: str = "rotated") -> list[int]:
+    """The peers ``rank`` reads, in order (NOTE [peer order] in csrc/ce_copy.h; the same
+    sequence as its ``read_plan`` without the own rows): rotated ``rank+1, ..., rank-1``
+    (mod ``world``), so at each step every rank reads a different peer; ``"fixed"``:
+    ``0, 1, ..., world-1``, where every rank reads rank 0 first."""
+    if order == "fixed":
+        return [k for k in range(world) if k != rank]
+    return [(rank + k) % world for k in range(1, world)]
+
+
 def copy_peers(outs: Sequence[torch.Tensor], slots: Sequence[Slot]) -> None:
-    """One-sided reads: rank r's copy of each member lands at rows [r*rows, (r+1)*rows)."""
-    for out, slot in zip(outs, slots):
-        chunks = out.view(slot.group_size, *slot.shape)
-        for r, src in enumerate(slot.peer_views):
-            chunks[r].copy_(src)
+    """One-sided reads: rank r's copy of each member lands at rows [r*rows, (r+1)*rows).
+    Peer-major in ``native.peer_order()``'s order (rotation only: no chunking), this
+    rank's own rows last."""
+    mode = native.peer_order()[0]
+    views = [out.view(slot.group_size, *slot.shape) for out, slot in zip(outs, slots)]
+    orders = [peer_order(s.window.rank, s.group_size, mode) + [s.window.rank] for s in slots]
+    for k in range(slots[0].group_size):
+        for view, slot, order in zip(views, slots, orders):
+            view[order[k]].copy_(slot.peer_views[order[k]])
 
 
 def gather_slots(shards: Sequence[torch.Tensor], slots: Sequence[Slot], group_size: int) -> list[torch.Tensor]:

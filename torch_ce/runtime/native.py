@@ -6,6 +6,16 @@ gather: ``magi::ce_all_gather[_coalesced]`` on CUDA, and the bound members of wh
 bucket they hand to the Python kernel (``gather_bound``). Their slot index mirrors the
 registry of ``windows.py``, whose ``register``/``release_all`` alone write it.
 
+The order of a gather's peer reads (NOTE [peer order] in csrc/ce_copy.h) is read once from
+the environment and can be changed at run time (``peer_order_as``, for A/B runs):
+
+  TORCH_CE_PEER_ORDER       rotated (default) | rotated-member | fixed (the order before
+                            issue 16: every rank reads rank 0 first)
+  TORCH_CE_PEER_CHUNK_MIB   0 (default: whole slabs) or the piece size of the chunked
+                            interleave, rounded down to 512 bytes
+
+The pure-torch fallback follows the rotation (``gather.copy_peers``), not the chunking.
+
 Not loaded, CUDA weights stay on the collective (``kernel_refusal`` refuses them at bind,
 with one loud warning) unless ``config.cuda_torch_fallback`` opts in to per-peer ``copy_``
 (runtime/gather.py). CPU weights need nothing compiled: the host transport's memcpy is
@@ -13,8 +23,10 @@ their kernel.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
+import math
 import os
 import threading
 import warnings
@@ -41,6 +53,62 @@ def library_path() -> str | None:
     return found[0] if found else None
 
 
+# NOTE [peer order] in csrc/ce_copy.h: name -> the C++ enum PeerOrder.
+PEER_ORDERS = {"fixed": 0, "rotated": 1, "rotated-member": 2}
+_peer: dict = {}  # "order", "chunk_bytes": from the environment on first use
+
+
+def chunk_bytes(mib: float) -> int:
+    """``mib`` MiB as a piece size: whole 512-byte multiples (slot alignment, the copy
+    engines' best), at least 512; 0 stays 0 (off)."""
+    if not (isinstance(mib, (int, float)) and math.isfinite(mib) and mib >= 0):
+        raise ValueError(f"torch_ce: peer chunk must be a finite number of MiB >= 0, got {mib!r}")
+    return 0 if mib == 0 else max(512, int(mib * 2**20) // 512 * 512)
+
+
+def _peer_from_env() -> dict:
+    order = os.environ.get("TORCH_CE_PEER_ORDER", "").strip().lower() or "rotated"
+    if order not in PEER_ORDERS:
+        raise ValueError(f"torch_ce: TORCH_CE_PEER_ORDER={order!r}: expected one of {sorted(PEER_ORDERS)}")
+    raw = os.environ.get("TORCH_CE_PEER_CHUNK_MIB", "").strip() or "0"
+    try:
+        chunk = chunk_bytes(float(raw))
+    except ValueError:
+        raise ValueError(f"torch_ce: TORCH_CE_PEER_CHUNK_MIB={raw!r}: expected a number of "
+                         "MiB >= 0") from None
+    return dict(order=order, chunk_bytes=chunk)
+
+
+def peer_order() -> tuple[str, int]:
+    """(order name, chunk bytes) of the gathers' peer reads now."""
+    if not _peer:
+        _peer.update(_peer_from_env())
+    return _peer["order"], _peer["chunk_bytes"]
+
+
+@contextlib.contextmanager
+def peer_order_as(order: str | None = None, chunk_mib: float | None = None):
+    """Gathers issued inside use this peer-read order and/or chunk (None: keep); the
+    previous setting comes back on exit (A/B runs: bench ops, bench e2e)."""
+    prev = peer_order()
+    if order is not None and order not in PEER_ORDERS:
+        raise ValueError(f"torch_ce: peer order {order!r}: expected one of {sorted(PEER_ORDERS)}")
+    _peer.update(order=prev[0] if order is None else order,
+                 chunk_bytes=prev[1] if chunk_mib is None else chunk_bytes(chunk_mib))
+    _push_peer_order()
+    try:
+        yield
+    finally:
+        _peer.update(order=prev[0], chunk_bytes=prev[1])
+        _push_peer_order()
+
+
+def _push_peer_order() -> None:
+    order, chunk = peer_order()
+    if loaded():
+        torch.ops.torch_ce_native.set_peer_order(PEER_ORDERS[order], chunk)
+
+
 def load() -> bool:
     """Load the C++ kernels once; False (the reason kept for ``kernel_refusal``) when they
     cannot serve."""
@@ -62,6 +130,7 @@ def load() -> bool:
     if not ok:
         log.debug("torch_ce: C++ gather kernels not in use: %s", why)
     _state[:] = [ok, why]
+    _push_peer_order()  # the environment's order (a bad value raises here, loudly)
     return ok
 
 
