@@ -32,7 +32,20 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from torch_ce._net import all_gather_json, free_port  # noqa: F401  (re-exported for the tests)
+
+
+# torch_ce is imported lazily here: a spawned rank must apply its ``env`` (TORCH_CE_NATIVE,
+# TORCH_CE_* config) before torch_ce reads it at import.
+def free_port() -> int:
+    from torch_ce._net import free_port as _free_port
+
+    return _free_port()
+
+
+def all_gather_json(obj, group=None):
+    from torch_ce._net import all_gather_json as _all_gather_json
+
+    return _all_gather_json(obj, group)
 
 # After the first rank fails, how long the others get to report before they are killed
 # (they are usually stuck in a collective with the dead rank).
