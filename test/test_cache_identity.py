@@ -109,3 +109,31 @@ def test_cache_key_is_every_field_but_the_run_time_ones():
     """A new config field is in the key unless it is left out here on purpose."""
     fields = {f.name for f in dataclasses.fields(torch_ce.config)}
     assert {k for k, _ in torch_ce.config.cache_key()} == fields - RUN_TIME_ONLY
+
+
+@pytest.mark.parametrize("transport,reorder", [("copy_engine", True), ("copy_engine", False),
+                                               ("nccl", True), ("nccl", False)])
+def test_rank_view_enters_the_key_for_both_transports(transport, reorder, monkeypatch):
+    """What differs per rank (NOTE [a cache shared by ranks]) changes what Inductor hashes
+    for every enable(): the installed pass's uuid and, with the reorder, its pickle."""
+    import torch._inductor.config as ic
+
+    def hashed():
+        p = ic.post_grad_custom_post_pass
+        return p.uuid(), pickle.dumps(ic.reorder_for_compute_comm_overlap_passes)
+
+    torch_ce.enable(transport=transport, reorder=reorder)
+    try:
+        monkeypatch.setattr(identity, "rank_view", lambda: "rank A")
+        a = hashed()
+        monkeypatch.setattr(identity, "rank_view", lambda: "rank B")
+        b = hashed()
+    finally:
+        torch_ce.disable()
+    assert a[0] != b[0]
+    assert (a[1] != b[1]) == reorder
+
+
+def test_rank_view_outside_a_compile_is_stable_and_empty_without_a_group():
+    """No tracing context and no process group: nothing per rank to add."""
+    assert identity.rank_view() == identity.rank_view() == ""

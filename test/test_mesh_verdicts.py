@@ -5,7 +5,9 @@ bind step of a compiled forward left that weight's shard in a window; the bind A
 whether ``torch_ce.bind`` moved an identical fresh weight. A mesh dim of size 1 issues no
 gather in the compiled graph, so e.g. ``[Shard(0), Shard(0)]`` on a (1, N) mesh is a plain
 gather over the size-N dim: both paths must bind it. ``[Shard(0), Shard(0)]`` on (2, 2) is
-a gather of a gathered tensor: both must refuse it. One spawn per world size (2 and 4
+a gather of a gathered tensor: both must refuse it. Each bound weight sits in a window of
+its shard dim's group only (pools keyed by that group's ranks), and ``explain()``'s record
+names that mesh dim (HSDP meshes with named dims, the shard dim first or second). One spawn per world size (2 and 4
 gloo ranks), one compile each: every case is a weight of the same model.
 """
 from __future__ import annotations
@@ -24,7 +26,9 @@ ROWS, COLS = 8, 4
 MESHES = {
     2: [("m2", (2,), None), ("m12", (1, 2), None), ("m21", (2, 1), None),
         ("n12", (1, 2), ("dp_rep", "dp_shard"))],
-    4: [("m22", (2, 2), None), ("m14", (1, 4), None), ("m41", (4, 1), ("a", "b"))],
+    4: [("m22", (2, 2), None), ("m14", (1, 4), None), ("m41", (4, 1), ("a", "b")),
+        # HSDP meshes as torchtitan names them, the shard dim second and first.
+        ("h22", (2, 2), ("dp_replicate", "dp_shard")), ("f22", (2, 2), ("dp_shard", "dp_replicate"))],
 }
 PLACEMENTS = {"S": "S", "RS": "RS", "SR": "SR", "SS": "SS"}
 # Which placements apply to a mesh of ndim 1 / 2.
@@ -38,6 +42,8 @@ EXPECTED = {
     "m22_RS": True, "m22_SR": True, "m22_SS": False,  # SS on (2, 2): gather of a gathered tensor
     "m14_RS": True, "m14_SS": True, "m14_SR": False,
     "m41_SR": True, "m41_SS": True, "m41_RS": False,
+    "h22_RS": True, "h22_SR": True, "h22_SS": False,
+    "f22_RS": True, "f22_SR": True, "f22_SS": False,
 }
 
 
@@ -87,6 +93,18 @@ def _rank(rank, ws, seed, cache_root):
         with torch.no_grad():
             out = torch.compile(model)(x)
         compiled = {n: isinstance(W.lookup(p._local_tensor), W.Slot) for n, p in model.named_parameters()}
+        from torch_ce import report
+
+        # Per bound weight: (window's group ranks, its shard dim's group ranks, mesh-dim note).
+        where = {}
+        for n, p in model.named_parameters():
+            if compiled[n]:
+                mesh, code = cases[n]
+                dims = [d for d in range(mesh.ndim) if code[d] == "S" and mesh.size(d) > 1]
+                pg = mesh.get_group(dims[0])
+                where[n] = (W.lookup(p._local_tensor).window.group_ranks,
+                            tuple(torch.distributed.get_process_group_ranks(pg)),
+                            report.mesh_dims.get(pg.group_name, ""), dims[0], mesh.mesh_dim_names)
         exact = {n: torch.equal(out[n], x @ fulls[n].t()) for n in cases}
         # The bind API on identical fresh weights (nothing bound yet).
         fresh = {n: torch.nn.Parameter(distribute_tensor(fulls[n], m, _placements(c)), requires_grad=False)
@@ -100,7 +118,8 @@ def _rank(rank, ws, seed, cache_root):
         for n in res.bound:
             group = candidate_from_param(n, fresh[n], None, 0).group
             after[n] = after[n] and torch.equal(torch_ce.all_gather(fresh[n]._local_tensor, group), fulls[n])
-        return dict(compiled=compiled, bind=bound, skipped=dict(res.skipped), exact=exact, after=after)
+        return dict(compiled=compiled, bind=bound, skipped=dict(res.skipped), exact=exact, after=after,
+                    where=where)
     finally:
         torch_ce.disable()
 
@@ -118,3 +137,7 @@ def test_bind_and_compiled_path_agree_per_mesh(ws, tmp_path):
         assert not differ, f"rank {rank}: (compiled, bind, bind's reason) differ: {differ}"
         want = {n: EXPECTED[n] for n in r["compiled"]}
         assert r["compiled"] == want, f"rank {rank}: compiled verdicts {r['compiled']} != {want}"
+        for n, (window_ranks, shard_ranks, note, dim, names) in r["where"].items():
+            assert window_ranks == shard_ranks and rank in shard_ranks, (rank, n, window_ranks, shard_ranks)
+            label = repr(names[dim]) if names else f"dim {dim}"
+            assert label in note, (rank, n, note, label)

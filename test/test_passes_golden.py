@@ -151,8 +151,10 @@ graph():
         self.assertIn("> prefetch_next_call_mib", report.graphs[-1].prefetch["what"])
 
     def test_transport_nccl_untouched(self):
-        """transport="nccl" installs no graph pass: a user's post-grad pass sees the graph
-        as Inductor made it (and stays the only one)."""
+        """transport="nccl" changes no graph: a user's post-grad pass sees the graph as
+        Inductor made it, and ours (chained after it only to carry the cache identity,
+        NOTE [a cache shared by ranks]) leaves it exactly as the user's pass saw it."""
+        from torch_ce.passes import manager
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
         class Recorder(CustomGraphPass):
@@ -164,8 +166,16 @@ graph():
 
         rec = Recorder()
         self.stack.enter_context(torch._inductor.config.patch(post_grad_custom_post_pass=rec))
-        g = self.compile_and_run(self.mlp(), torch.randn(4, 8), transport="nccl")
-        self.assertIs(torch._inductor.config.post_grad_custom_post_pass, rec)
+        torch_ce.enable(transport="nccl")
+        installed = torch._inductor.config.post_grad_custom_post_pass
+        self.assertIsInstance(installed, manager._Chained)
+        self.assertIs(installed.first, rec)
+        with torch.no_grad():
+            torch.compile(self.mlp())(torch.randn(4, 8))
+        # The user's pass saw the graph, then our observer saw it after our pass: the same.
+        self.assertEqual(len(self.graphs), 2)
+        self.assertEqual(self.graphs[0], self.graphs[1])
+        g = self.graphs[0]
         self.assertNotIn("magi", g)
         self.assertExpectedInline(g, """\
 graph():

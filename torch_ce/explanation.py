@@ -5,7 +5,8 @@ row), named by its parameter (``layers.0.attention.wqkv.weight``; the placeholde
 only when the graph had no Dynamo frame, NOTE [parameter names] in
 passes/param_names.py): its bytes and the window and offset it sits at once bound (read
 from the run-time registry, by the name the bind step registered), or why it stays on the
-collective backend. Per (group, dtype) pool: its windows and how full they are. The gather
+collective backend, and the mesh dim it is gathered over (HSDP: the shard dim; noted from
+the DTensor's mesh when the graph's cache key is formed, report.mesh_dims). Per (group, dtype) pool: its windows and how full they are. The gather
 kernel in use per device type. Graphs served from the FX graph cache ran no pass in this
 process, so they have no record here; their binds still show.
 
@@ -51,6 +52,9 @@ class WeightRow:
     window: int | None = None  # run-time window index within its pool
     offset: int | None = None  # byte offset in that window
     reason: str = ""  # why it stays on the collective backend (refused, fallback)
+    # The mesh dim ``group`` gathers over ("'dp_shard' (dim 1 of mesh (2, 2))"; "" when
+    # the weight is not a DTensor): report.mesh_dims, noted from the DTensor's mesh.
+    mesh_dim: str = ""
 
 
 @dataclasses.dataclass
@@ -96,7 +100,8 @@ class Explanation:
                 where = {"bound": f"window {w.window} @ {w.offset}",
                          "fallback": f"stays on the collective backend: {w.reason}"}.get(w.status, w.status)
                 label = w.status if w.status in ("bound", "fallback") else "planned"
-                out.append(f"  {label:<8} {w.param:<{width}} {w.bytes:>12,d} B  {where}{many}")
+                over = f"  over {w.mesh_dim}" if w.mesh_dim else ""
+                out.append(f"  {label:<8} {w.param:<{width}} {w.bytes:>12,d} B  {where}{over}{many}")
             for b in g.buckets:
                 if len(b["members"]) > 1:
                     out.append(f"  bucket   {b['kind']:<10} {len(b['members'])} members, {b['bytes']:,d} B")
@@ -127,7 +132,8 @@ def _weights(graphs, binds) -> list[WeightRow]:
         for b in g.bound:
             key = b.get("param") or b["name"]
             row = WeightRow(g.graph_id, key, b["name"], "not bound yet", b.get("gathers", 1),
-                            b["bytes"], str(b.get("group", "")))
+                            b["bytes"], str(b.get("group", "")),
+                            mesh_dim=report.mesh_dims.get(str(b.get("group", "")), ""))
             slot = slots.get(key)
             if slot is not None:
                 row.status, row.window, row.offset = "bound", slot.window.index, slot.offset

@@ -31,6 +31,22 @@ class GraphRecord:
 
 graphs: list[GraphRecord] = []
 binds: list = []  # BindResult per run-time bind
+# Process-group name -> the mesh dim(s) it gathers over, e.g. "'dp_shard' (dim 1 of mesh
+# (2, 2))". Noted wherever torch_ce sees a DTensor with its mesh: the cache identity of
+# every graph compiled (also one then served from a cache) and ``bind()`` on DTensors.
+# One group can be a dim of several meshes (a dim spanning the world is the world group):
+# then every such dim is listed, joined by " / ".
+mesh_dims: dict = {}
+
+
+def note_mesh_dim(group_name: str, mesh, dim: int) -> None:
+    names = getattr(mesh, "mesh_dim_names", None)
+    label = (f"{names[dim]!r} (dim {dim} of mesh {tuple(mesh.shape)})" if names
+             else f"dim {dim} (of mesh {tuple(mesh.shape)})")
+    with _lock:
+        old = mesh_dims.get(group_name, "")
+        if label not in old.split(" / "):
+            mesh_dims[group_name] = f"{old} / {label}" if old else label
 
 
 def new_graph(transport: str) -> GraphRecord:

@@ -5,7 +5,28 @@ Inductor's FX graph cache keys a compiled graph on, among others, our post-grad 
 ``reorder_for_compute_comm_overlap_passes`` (reorder.LatestSafeLaunch). Both must change
 whenever our code could compile a different graph or schedule, or a warm cache serves
 code the current torch_ce would not produce. Both combine ``code_identity()`` (the source of
-every module in ``MODULES``) with ``config.cache_key()``.
+every module in ``MODULES``), ``config.cache_key()`` and ``rank_view()``.
+
+# NOTE [a cache shared by ranks]
+One Inductor cache dir is shared by every rank of a host by default. The cache that serves
+compiled code across ranks is AOTAutograd's (torch 2.11 and 2.13): it keys on the Dynamo
+graph, the inputs (a DTensor by its *global* spec: mesh, placements, global shape) and
+Inductor's config, where our ``uuid()`` and pickled reorder sit. Two things that change
+the compiled code per rank are in none of these: the process-group names the gathers name
+(on a 2-D mesh, each host's shard group has another name) and the local shard shapes
+(uneven Shard(0)). A warm cache then served one rank another's code ("Could not resolve
+the process group registered under the name 4"; ``assert_size_stride`` on a short shard).
+(The FX graph cache keys on the AOT output graph, which names groups and shapes, but on
+2.13 it never hits for DTensor graphs: the device-mesh input hashes by address.)
+
+``rank_view()`` adds exactly those facts, per graph: while a graph is compiled Dynamo's
+``TracingContext.tensor_to_context`` holds the live input tensors of the frame (torch's
+note [Tensor Fakification and Symbol Caching]); for every DTensor among them, the name and
+ranks of each mesh dim's group it is not replicated over, and its local shape. Ranks whose
+graphs name the same groups with the same shards get the same key and share entries
+(1-D fully_shard: all ranks; HSDP: the ranks of one shard group if every shard is even);
+the others get their own. Outside a compile (no tracing context, or no input recorded)
+the view is this process's rank and groups: never shared, always safe.
 """
 from __future__ import annotations
 
@@ -53,6 +74,65 @@ def code_identity() -> str:
 
 
 def identity(config) -> str:
-    """The cache identity of torch_ce's compile side under ``config``: its code and every
-    config value that changes what it emits."""
-    return hashlib.sha256((code_identity() + repr(config.cache_key())).encode()).hexdigest()
+    """The cache identity of torch_ce's compile side under ``config``: its code, every
+    config value that changes what it emits, and what of this rank can change the graph
+    being compiled (NOTE [a cache shared by ranks])."""
+    text = code_identity() + repr(config.cache_key()) + rank_view()
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def rank_view() -> str:
+    """The per-rank facts of the graph being compiled (NOTE [a cache shared by ranks]):
+    "" when it has no DTensor input (its key already says everything), else a digest."""
+    import torch
+
+    tc = torch._guards.TracingContext.try_get()
+    inputs = list(getattr(tc, "tensor_to_context", {}).keys()) if tc is not None else []
+    if not inputs:
+        return _process_view()
+    from torch.distributed.tensor import DTensor
+
+    facts = set()
+    for t in inputs:
+        if isinstance(t, DTensor):
+            facts.add(dtensor_facts(t))
+    return hashlib.sha256(repr(sorted(facts)).encode()).hexdigest() if facts else ""
+
+
+def dtensor_facts(t) -> tuple:
+    """What of a DTensor differs per rank and shapes the compiled code: its local shape,
+    and per mesh dim it is not replicated over (size > 1), the name and ranks of that dim's
+    group on this rank. Notes each such group's mesh dim for ``explain()``."""
+    import torch.distributed as dist
+
+    from .. import report
+
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    groups = []
+    for d, p in enumerate(placements):
+        if mesh.size(d) > 1 and not p.is_replicate():
+            g = mesh.get_group(d)
+            groups.append((d, g.group_name, tuple(dist.get_process_group_ranks(g))))
+            report.note_mesh_dim(g.group_name, mesh, d)
+    return (tuple(t.shape), repr(placements), tuple(t._local_tensor.shape), tuple(groups))
+
+
+def _process_view() -> str:
+    """No graph to look at: this rank and its live groups (conservative: never shared
+    between two ranks of one job)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return ""
+    from torch.distributed import distributed_c10d as c10d
+
+    me = dist.get_rank()
+    groups = []
+    for pg, name in list(getattr(c10d._world, "pg_names", {}).items()):
+        try:
+            ranks = tuple(dist.get_process_group_ranks(pg))
+        except Exception:  # noqa: BLE001 (a group being torn down: leave it out)
+            continue
+        if me in ranks:
+            groups.append((name, ranks))
+    return hashlib.sha256(repr((me, sorted(groups))).encode()).hexdigest()

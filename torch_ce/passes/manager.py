@@ -94,7 +94,7 @@ class TorchCEPass(_PassBase):
             fn(graph)
 
     def uuid(self) -> Any:
-        return identity(config)  # NOTE in identity.py: code and config
+        return identity(config)  # NOTE in identity.py: code, config and this rank's view
 
 
 class _Chained(_PassBase):
@@ -159,31 +159,33 @@ _MISSING = object()
 def _install(ic) -> dict[str, Any]:
     """Apply the current config to Inductor's; returns the old values of what it changed.
 
-    transport "copy_engine": our post-grad pass. reorder: our reorder pass and cost estimate
-    (either transport: with "nccl" it reorders the NCCL gathers). With either, the ``_OFF``
-    settings. Nothing else: ``enable(transport="nccl", reorder=False)`` changes nothing.
+    Our post-grad pass, always: with "copy_engine" it rewrites gathers; with "nccl" it
+    leaves every graph as it is and only carries our cache identity, whose per-rank part
+    keeps a cache dir shared by the ranks safe (NOTE [a cache shared by ranks] in
+    identity.py). reorder: our reorder pass and cost estimate (either transport: with
+    "nccl" it reorders the NCCL gathers). With "copy_engine" or reorder, the ``_OFF``
+    settings; ``enable(transport="nccl", reorder=False)`` changes nothing else.
     """
     ce, reorder = config.transport == "copy_engine", config.reorder
-    keys = ["post_grad_custom_post_pass"] if ce else []
+    keys = ["post_grad_custom_post_pass"]
     if reorder:
         keys += ["reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes",
                  "estimate_op_runtime"]
-    if keys:
+    if ce or reorder:
         keys += [k for k, _ in _OFF]
     saved = {k: _get(ic, k) for k in keys}
-    if ce:
-        prev = saved["post_grad_custom_post_pass"]
-        if prev is None:
-            ic.post_grad_custom_post_pass = _pass
-        elif isinstance(prev, (list, tuple)):
-            ic.post_grad_custom_post_pass = type(prev)([*prev, _pass])
-        else:
-            ic.post_grad_custom_post_pass = _Chained(prev, _pass)
+    prev = saved["post_grad_custom_post_pass"]
+    if prev is None:
+        ic.post_grad_custom_post_pass = _pass
+    elif isinstance(prev, (list, tuple)):
+        ic.post_grad_custom_post_pass = type(prev)([*prev, _pass])
+    else:
+        ic.post_grad_custom_post_pass = _Chained(prev, _pass)
     if reorder:
         from .reorder import install as install_reorder
 
         install_reorder(ic)
-    if keys:
+    if ce or reorder:
         for k, v in _OFF:
             if saved[k] is not _MISSING:
                 _set(ic, k, v)

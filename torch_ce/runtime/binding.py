@@ -127,6 +127,9 @@ def candidate_from_param(name: str, p: torch.Tensor, group, min_shard_bytes: int
         if p.shape[0] % world:
             return Candidate(name, None, None, refusal(Reason.UNEVEN_SHARD, f"uneven Shard(0) ({p.shape[0]} rows over {world})"))
         pg = mesh.get_group(dim)
+        from .. import report
+
+        report.note_mesh_dim(pg.group_name, mesh, dim)  # explain(): which mesh dim
         local = p._local_tensor
         return Candidate(name, local, pg, local_reason(local, pg, min_shard_bytes))
     return Candidate(name, p, group, local_reason(p, group, min_shard_bytes))
