@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "ce_copy.h"
+#include "ce_rows.h"
 
 namespace {
 
@@ -364,6 +365,47 @@ std::vector<at::Tensor> gather_bound(at::TensorList shards,
   return gather_slots(shards, group_size, slots);
 }
 
+// magi::ce_gather_rows of a bound CUDA shard (the Python kernel checked the group
+// and handles the fallbacks): [*ids.shape, *shape[1:]] rows read by the kernel
+// of NOTE [row kernel] in ce_rows.cu, on the current stream.
+at::Tensor gather_rows(const at::Tensor& shard, const at::Tensor& ids,
+                       int64_t group_size) {
+  std::shared_ptr<const Slot> slot;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto it = g_slots.find(reinterpret_cast<uintptr_t>(shard.data_ptr()));
+    TORCH_CHECK(it != g_slots.end(),
+                "torch_ce: gather_rows: the shard is not in the C++ slot registry "
+                "(registered only through windows.register)");
+    slot = it->second;
+  }
+  TORCH_CHECK(shard.is_cuda() && shard.is_contiguous() && shard.dim() >= 1 &&
+                  slot->dtype == shard.scalar_type() && shard.sizes().equals(slot->shape) &&
+                  static_cast<int64_t>(slot->peer_ptrs.size()) == group_size,
+              "torch_ce: gather_rows: the shard does not match its slot "
+              "(dtype, shape, contiguity or group size)");
+  TORCH_CHECK(group_size <= torch_ce_rows::kMaxPeers, "torch_ce: gather_rows: group of ",
+              group_size, " ranks (at most ", torch_ce_rows::kMaxPeers, ")");
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt,
+              "torch_ce: gather_rows: ids must be int64 or int32, got ", ids.scalar_type());
+  TORCH_CHECK(ids.device() == shard.device(), "torch_ce: gather_rows: ids on ",
+              ids.device(), ", shard on ", shard.device());
+  const c10::cuda::CUDAGuard guard(shard.device());
+  const at::Tensor flat = ids.contiguous();
+  std::vector<int64_t> sizes(ids.sizes().begin(), ids.sizes().end());
+  sizes.insert(sizes.end(), slot->shape.begin() + 1, slot->shape.end());
+  at::Tensor out = at::empty(sizes, shard.options());
+  const int64_t rows = slot->shape[0];
+  if (flat.numel() == 0 || rows == 0) return out;
+  const auto cur = c10::cuda::getCurrentCUDAStream(shard.device().index());
+  CE_CUDA_CHECK(torch_ce_rows::launch_gather_rows(
+                    slot->peer_ptrs.data(), static_cast<int>(group_size),
+                    flat.data_ptr(), flat.scalar_type() == at::kLong, flat.numel(),
+                    rows, slot->nbytes / rows, out.data_ptr(), cur.stream()),
+                "row gather kernel launch");
+  return out;
+}
+
 at::Tensor ce_all_gather_cuda(const at::Tensor& shard, int64_t group_size,
                               c10::string_view group_name) {
   return ce_all_gather_coalesced_cuda({shard}, group_size, group_name)[0];
@@ -429,6 +471,8 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("clear_slots() -> ()", &clear_slots);
   m.def("gather_bound(Tensor[] shards, int group_size) -> Tensor[]",
         &gather_bound);
+  m.def("gather_rows(Tensor shard, Tensor ids, int group_size) -> Tensor",
+        &gather_rows);
   m.def("slot_count() -> int", &slot_count);
   m.def("set_split_local_copy(bool split) -> ()", &set_split_local_copy);
   m.def("set_peer_order(int order, int chunk_bytes) -> ()", &set_peer_order);

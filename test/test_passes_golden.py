@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.nn.utils.parametrize as P
 from expecttest import TestCase
 from torch.distributed.device_mesh import init_device_mesh
@@ -351,6 +352,86 @@ graph():
     return (add_6,)""")
         kinds = [(b["kind"], len(b["members"])) for b in report.graphs[-1].buckets]
         self.assertExpectedInline(str(kinds), """[('ce', 2), ('ce', 1), ('ce', 1), ('ce', 1), ('ce', 1), ('collective', 1)]""")
+
+    def embedding_lm(self, tied: bool):
+        """torchtitan's Embedding.forward (the parametrized weight read twice: two gathers,
+        the first dead), a linear, and with ``tied`` an LM head on the embedding weight."""
+
+        class TitanEmbedding(nn.Embedding):
+            def forward(self, t):
+                from torch.distributed.tensor import DTensor
+
+                w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+                return F.embedding(t, w)
+
+        class LM(nn.Module):
+            def __init__(self, mesh):
+                super().__init__()
+                self.tok = TitanEmbedding(16, 8)
+                self.lin = nn.Linear(8, 8, bias=False)
+                shard_weight(self.tok, mesh)
+                shard_weight(self.lin, mesh)
+
+            def forward(self, t):
+                h = self.lin(self.tok(t))
+                return h @ self.tok.weight.t() if tied else h
+
+        return LM(self.mesh)
+
+    def test_embedding_rows(self):
+        """NOTE [row gathers]: the lookup reads its rows; both gathers of the table go."""
+        ids = torch.randint(0, 16, (2, 3))
+        g = self.compile_and_run(self.embedding_lm(tied=False), ids, transport="copy_engine")
+        self.assertExpectedInline(g, """\
+graph():
+    %arg0_1 : [num_users=2] = placeholder[target=arg0_1]
+    %arg1_1 : [num_users=0] = placeholder[target=arg1_1]
+    %arg2_1 : [num_users=1] = placeholder[target=arg2_1]
+    %arg3_1 : [num_users=2] = placeholder[target=arg3_1]
+    %arg4_1 : [num_users=0] = placeholder[target=arg4_1]
+    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg3_1], [2, 2], [0, 0], [tok.weight, lin.weight], [, ]), kwargs = {})
+    %ce_gather_rows_default : [num_users=1] = call_function[target=torch.ops.magi.ce_gather_rows.default](args = (%arg0_1, %arg2_1, 2, 0), kwargs = {})
+    %all_gather_into_tensor_2 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg3_1, 2, 0), kwargs = {})
+    %wait_tensor_2 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_2,), kwargs = {})
+    %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_2, [1, 0]), kwargs = {})
+    %view : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%ce_gather_rows_default, [6, 8]), kwargs = {})
+    %mm : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%view, %permute), kwargs = {})
+    %view_1 : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%mm, [2, 3, 8]), kwargs = {})
+    return (view_1,)""")
+        rows = report.graphs[-1].bound[0]["rows"]
+        self.assertEqual((rows["rows"], rows["row_bytes"], rows["reason"]), (6, 32, ""))
+
+    def test_embedding_tied_head_stays_full(self):
+        """A tied head reads the gathered table: every gather of it stays a full CE gather."""
+        ids = torch.randint(0, 16, (2, 3))
+        g = self.compile_and_run(self.embedding_lm(tied=True), ids, transport="copy_engine")
+        self.assertExpectedInline(g, """\
+graph():
+    %arg0_1 : [num_users=3] = placeholder[target=arg0_1]
+    %arg1_1 : [num_users=0] = placeholder[target=arg1_1]
+    %arg2_1 : [num_users=1] = placeholder[target=arg2_1]
+    %arg3_1 : [num_users=2] = placeholder[target=arg3_1]
+    %arg4_1 : [num_users=0] = placeholder[target=arg4_1]
+    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg3_1], [2, 2], [0, 0], [tok.weight, lin.weight], [, ]), kwargs = {})
+    %ce_all_gather_coalesced_default : [num_users=2] = call_function[target=torch.ops.magi.ce_all_gather_coalesced.default](args = ([%arg0_1, %arg0_1], 2, 0), kwargs = {})
+    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%ce_all_gather_coalesced_default, 0), kwargs = {})
+    %getitem_1 : [num_users=1] = call_function[target=operator.getitem](args = (%ce_all_gather_coalesced_default, 1), kwargs = {})
+    %wait_tensor : [num_users=0] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%getitem,), kwargs = {})
+    %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%getitem_1,), kwargs = {})
+    %embedding : [num_users=1] = call_function[target=torch.ops.aten.embedding.default](args = (%wait_tensor_1, %arg2_1), kwargs = {})
+    %all_gather_into_tensor_2 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg3_1, 2, 0), kwargs = {})
+    %wait_tensor_2 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_2,), kwargs = {})
+    %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_2, [1, 0]), kwargs = {})
+    %view : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%embedding, [6, 8]), kwargs = {})
+    %mm : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%view, %permute), kwargs = {})
+    %all_gather_into_tensor_3 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg0_1, 2, 0), kwargs = {})
+    %wait_tensor_3 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_3,), kwargs = {})
+    %permute_1 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_3, [1, 0]), kwargs = {})
+    %mm_1 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%mm, %permute_1), kwargs = {})
+    %view_3 : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%mm_1, [2, 3, 16]), kwargs = {})
+    return (view_3,)""")
+        rows = report.graphs[-1].bound[0]["rows"]
+        self.assertIn("tied LM head", rows["reason"])
 
 
 def test_graph_with_gradients_stays_on_nccl():

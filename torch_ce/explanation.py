@@ -6,7 +6,9 @@ only when the graph had no Dynamo frame, NOTE [parameter names] in
 passes/param_names.py): its bytes and the window and offset it sits at once bound (read
 from the run-time registry, by the name the bind step registered), or why it stays on the
 collective backend, and the mesh dim it is gathered over (HSDP: the shard dim; noted from
-the DTensor's mesh when the graph's cache key is formed, report.mesh_dims). Per (group, dtype) pool: its windows and how full they are. The gather
+the DTensor's mesh when the graph's cache key is formed, report.mesh_dims); for a weight embedding
+lookups read, its row gather and the bytes it reads per forward, or why it is gathered in
+full. Per (group, dtype) pool: its windows and how full they are. The gather
 kernel in use per device type. Graphs served from the FX graph cache ran no pass in this
 process, so they have no record here; their binds still show.
 
@@ -55,6 +57,11 @@ class WeightRow:
     # The mesh dim ``group`` gathers over ("'dp_shard' (dim 1 of mesh (2, 2))"; "" when
     # the weight is not a DTensor): report.mesh_dims, noted from the DTensor's mesh.
     mesh_dim: str = ""
+    # A weight embedding lookups read (NOTE [row gathers] in passes/rows.py): lookups,
+    # rows and row_bytes per forward, bytes_per_forward (rows x row_bytes, own rows
+    # included; None when an ids shape is dynamic), and reason: "" when its lookups
+    # read rows, else why it is gathered in full. Empty for any other weight.
+    rows: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -102,6 +109,8 @@ class Explanation:
                 label = w.status if w.status in ("bound", "fallback") else "planned"
                 over = f"  over {w.mesh_dim}" if w.mesh_dim else ""
                 out.append(f"  {label:<8} {w.param:<{width}} {w.bytes:>12,d} B  {where}{over}{many}")
+                if w.rows:
+                    out.append(f"           {_rows_text(w.rows)}")
             for b in g.buckets:
                 if len(b["members"]) > 1:
                     out.append(f"  bucket   {b['kind']:<10} {len(b['members'])} members, {b['bytes']:,d} B")
@@ -121,6 +130,14 @@ class Explanation:
         return "\n".join(out)
 
 
+def _rows_text(r: dict) -> str:
+    if r["reason"]:
+        return r["reason"]
+    per = ("? B (dynamic ids shape)" if r["bytes_per_forward"] is None
+           else f"{r['rows']:,d} x {r['row_bytes']:,d} B = {r['bytes_per_forward']:,d} B")
+    return f"row gather: {r['lookups']} lookup(s), {per} read per forward"
+
+
 def _weights(graphs, binds) -> list[WeightRow]:
     """Per graph and weight: the record's verdict, completed from the run-time registry."""
     slots = {s.name: s for s in W.bound_slots()}  # the bind step registers the param name
@@ -133,7 +150,8 @@ def _weights(graphs, binds) -> list[WeightRow]:
             key = b.get("param") or b["name"]
             row = WeightRow(g.graph_id, key, b["name"], "not bound yet", b.get("gathers", 1),
                             b["bytes"], str(b.get("group", "")),
-                            mesh_dim=report.mesh_dims.get(str(b.get("group", "")), ""))
+                            mesh_dim=report.mesh_dims.get(str(b.get("group", "")), ""),
+                            rows=dict(b.get("rows") or {}))
             slot = slots.get(key)
             if slot is not None:
                 row.status, row.window, row.offset = "bound", slot.window.index, slot.offset

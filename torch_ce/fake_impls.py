@@ -26,3 +26,8 @@ def _ce_bind_fake(shards, group_sizes, group_names, names, reasons) -> None:
 @torch.library.register_fake("magi::ce_prefetch")
 def _ce_prefetch_fake(shards, group_size: int, group_name: str) -> None:
     return None
+
+
+@torch.library.register_fake("magi::ce_gather_rows")
+def _ce_gather_rows_fake(shard: torch.Tensor, ids: torch.Tensor, group_size: int, group_name: str):
+    return shard.new_empty((*ids.shape, *shard.shape[1:]))

@@ -4,6 +4,10 @@ The CE ops and the bind step lower to FallbackKernels (the generated code calls 
 Inductor counts a FallbackKernel as compute (``is_collective`` only knows
 ``_CollectiveKernel``), so the reorder asks ``_issues_transfer`` instead (NOTE [CE ops are
 transfers] in passes/reorder.py). The cost of a transfer is in passes/cost.py; ``ce_launch_info`` is what it reads.
+
+``magi.ce_gather_rows`` is compute, not a transfer: it runs on the current stream and has
+no wait, so hoisting it would hide nothing (its SM kernel runs in line with the compute
+either way), and it reads a few rows, not a table (NOTE [row gathers] in passes/rows.py).
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ def register_lowerings() -> None:
     from . import ops  # noqa: F401  (the ops must exist)
 
     magi = torch.ops.magi
-    for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_bind, magi.ce_prefetch):
+    for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_bind, magi.ce_prefetch,
+               magi.ce_gather_rows):
         for overload in op.overloads():
             target = getattr(op, overload)
             if target not in lowering.lowerings:

@@ -14,6 +14,15 @@ kernels' outputs carry c10d work: ``_c10d_functional.wait_tensor`` orders the co
 after the copies. The host transport (CPU) and the opted-in pure-torch CUDA fallback copy
 on the current stream (runtime/gather.py).
 
+    magi::ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_name) -> Tensor
+
+``embedding(full table, ids)`` without the full table (NOTE [row gathers] in
+passes/rows.py): a fresh ``[*ids.shape, *shard.shape[1:]]`` tensor, each row read from the
+rank that owns it. Synchronous on the current stream (no c10d work, no wait_tensor): on
+CUDA a small SM kernel reads the peers' windows (``rows_kernel`` in csrc/ce_rows.cu), on
+CPU the host transport's views. A shard whose binding was refused by agreement is gathered
+in full by the collective and looked up, on every rank.
+
     magi::ce_bind(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names,
                   str[] reasons) -> ()
 
@@ -35,14 +44,14 @@ import torch
 
 from .runtime import native, prefetch
 from .runtime import windows as W
-from .runtime.gather import gather_slots
+from .runtime.gather import gather_rows, gather_slots
 
 _FUNCTIONAL = torch.ops._c10d_functional
 
 
-def _unbound_error(t: torch.Tensor, group_name: str) -> RuntimeError:
+def _unbound_error(t: torch.Tensor, group_name: str, op: str = "ce_all_gather") -> RuntimeError:
     return RuntimeError(
-        "torch_ce: magi::ce_all_gather got a tensor that is not bound to a symmetric window "
+        f"torch_ce: magi::{op} got a tensor that is not bound to a symmetric window "
         f"(shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}, data_ptr {t.data_ptr():#x}, "
         f"group {group_name!r}). Bind the weight shards first with "
         "torch_ce.bind(module_or_params, group=...), or compile with "
@@ -124,6 +133,26 @@ def ce_all_gather_coalesced(
     return gather(shards, group_size, group_name)
 
 
+def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Rows ``ids`` of the gathered table: read from their owners if ``shard`` is bound,
+    else (refused by agreement: identically on every rank) the full collective gather and
+    ``embedding``. An unbound shard raises, as in ``gather``."""
+    if group_size == 1:
+        entry = W.lookup(shard)
+        if isinstance(entry, W.Slot):
+            _check_group(entry, group_size, group_name)
+        return torch.embedding(shard, ids)
+    _check_live(group_name)
+    entry = W.lookup(shard)
+    if isinstance(entry, W.Slot):
+        _check_group(entry, group_size, group_name)
+        return gather_rows(shard, entry, ids)
+    if isinstance(entry, W.Fallback):
+        full = _FUNCTIONAL.all_gather_into_tensor(shard.contiguous(), group_size, group_name)
+        return torch.embedding(_FUNCTIONAL.wait_tensor(full), ids)
+    raise _unbound_error(shard, group_name, "ce_gather_rows")
+
+
 def ce_prefetch(shards: list[torch.Tensor], group_size: int, group_name: str) -> None:
     prefetch.prefetch(shards, group_size, group_name)
 
@@ -144,6 +173,7 @@ _lib.define(
     "str[] reasons) -> ()"
 )
 _lib.define("ce_prefetch(Tensor(a!)[] shards, int group_size, str group_name) -> ()")
+_lib.define("ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_name) -> Tensor")
 # The Python kernel under its own name: the C++ kernels hand it every bucket they do not
 # serve (NOTE [native gather path] in csrc/ce_torch.cpp). Never traced, so no fake impl.
 _private = torch.library.Library("torch_ce", "DEF")
@@ -155,6 +185,7 @@ for _key in ("CPU", "CUDA"):
     _private.impl("gather_python", gather, _key)
     _lib.impl("ce_bind", ce_bind, _key)
     _lib.impl("ce_prefetch", ce_prefetch, _key)
+    _lib.impl("ce_gather_rows", ce_gather_rows, _key)  # one per forward: Python is fine
     if _key == "CUDA" and _native:
         continue  # the C++ kernels are registered for CUDA by the library itself
     _lib.impl("ce_all_gather", ce_all_gather, _key)

@@ -18,7 +18,9 @@ class GraphRecord:
     # One dict per weight (not per gather: a forward may gather a weight twice). ``param``:
     # the parameter's name (NOTE [parameter names]); ``name``: the post-grad placeholder;
     # ``gathers``: how many gathers of it the graph holds.
-    bound: list = dataclasses.field(default_factory=list)  # + bytes, group, refused_gathers
+    # + bytes, group, refused_gathers, rows (a weight embedding lookups read: its row
+    # gather's account, or why it is gathered in full; None otherwise; passes/rows.py)
+    bound: list = dataclasses.field(default_factory=list)
     refused: list = dataclasses.field(default_factory=list)  # + reason (the first gather's)
     buckets: list = dataclasses.field(default_factory=list)  # dicts: kind, members, bytes
     reorder: dict = dataclasses.field(default_factory=dict)

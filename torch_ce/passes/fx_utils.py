@@ -44,6 +44,14 @@ def nbytes(val) -> int | None:
         return None
 
 
+def numel(val) -> int | None:
+    """Static element count of a FakeTensor meta value (None when dynamic)."""
+    try:
+        return int(val.numel())
+    except Exception:
+        return None
+
+
 def last_placeholder(graph: fx.Graph) -> fx.Node | None:
     last = None
     for n in graph.nodes:

@@ -28,6 +28,7 @@ from .. import report
 from ..config import config, update
 from . import bucket as bucket_mod
 from . import gate as gate_mod, param_names, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
+from . import rows as rows_mod
 from .identity import identity
 
 log = logging.getLogger("torch_ce")
@@ -38,7 +39,8 @@ observers: list = []
 
 
 def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.GraphRecord | None:
-    """gate -> plan -> rewrite -> bucket -> prefetch on one post-grad graph (copy_engine)."""
+    """gate -> plan -> rewrite -> rows -> bucket -> prefetch on one post-grad graph
+    (copy_engine)."""
     if config.transport != "copy_engine":
         return None
     seeds = gate_mod.gate(graph, config, is_inference)
@@ -48,7 +50,11 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     refused_whole = gate_mod.graph_reason(graph, is_inference)
     p = plan_mod.plan(seeds, whole_graph_refused=refused_whole is not None)
     bind_node = rewrite_mod.rewrite(graph, p)
-    buckets = [] if refused_whole else bucket_mod.bucket(graph, seeds, config)
+    # NOTE [row gathers] in rows.py: the row-gathered weights' gathers leave the graph.
+    row_weights = rows_mod.find(seeds)
+    gone = rows_mod.rewrite(graph, row_weights)
+    kept = [s for s in seeds if id(s) not in gone]
+    buckets = [] if refused_whole else bucket_mod.bucket(graph, kept, config)
     pf_node, pf_what = prefetch_mod.insert_prefetch(graph, buckets, config)
     if pf_what != "off":
         rec.prefetch = dict(members=[a.name for a in pf_node.args[0]] if pf_node is not None else [],
@@ -59,12 +65,15 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     for s in seeds:
         key = s.weight if s.weight is not None else s.shard
         rows.setdefault(key, []).append(s)
+    row_of = {rw.weight: rw for rw in row_weights}
     for key, ss in rows.items():
         ok = [s for s in ss if s.eligible]
         row = dict(name=getattr(key, "name", str(key)), param=param_names.param_name(key), gathers=len(ss))
         if ok:
+            rw = row_of.get(ok[0].shard)
             rec.bound.append(dict(row, bytes=ok[0].nbytes, group=ok[0].group_name,
-                                  refused_gathers=[str(s.reason) for s in ss if not s.eligible]))
+                                  refused_gathers=[str(s.reason) for s in ss if not s.eligible],
+                                  rows=rw.account() if rw is not None else None))
         else:
             rec.refused.append(dict(row, reason=str(ss[0].reason)))
     for b in buckets:
@@ -76,11 +85,11 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
         gm.recompile()
     counts = collections.Counter(r["reason"] for r in rec.refused)
     log.info(
-        "torch_ce: graph %d: %d gather(s) -> copy engine (%.1f MiB, %d bucket(s), bind step %s); "
-        "%d refused %s; prefetch for the next call: %s",
+        "torch_ce: graph %d: %d gather(s) -> copy engine (%.1f MiB, %d bucket(s), bind step %s, "
+        "%d weight(s) by rows); %d refused %s; prefetch for the next call: %s",
         rec.graph_id, len(rec.bound), sum(b["bytes"] for b in rec.bound) / 2**20,
         sum(1 for b in buckets if b.bound), "inserted" if bind_node is not None else "none",
-        len(rec.refused), dict(counts) if counts else "", pf_what,
+        sum(1 for rw in row_weights if rw.reason is None), len(rec.refused), dict(counts) if counts else "", pf_what,
     )
     return rec
 

@@ -43,6 +43,10 @@ class Reason(enum.IntEnum):
     GATHER_OF_GATHER = 29
     NO_SINGLE_WAIT = 30
     NO_SHAPE = 31
+    # Row gathers (gate only): why a weight read by embedding lookups is still gathered
+    # in full (passes/rows.py). Its gathers stay ordinary CE gathers.
+    ROWS_OTHER_READ = 32
+    ROWS_MAX_NORM = 33
     # Placement and process-group facts (bind only).
     PLACEMENT = 40
     NO_GROUP = 41

@@ -1,4 +1,5 @@
-"""The gather of bound slots: one function for the ops and the calibration.
+"""The gather of bound slots: one function for the ops and the calibration; and the row
+gather of embedding lookups (``gather_rows``, NOTE [row gathers] in passes/rows.py).
 
 On CUDA with the C++ kernels loaded it is their gather (NOTE [native gather path] in
 csrc/ce_torch.cpp). Everywhere else it is ``copy_peers``: per-peer ``copy_`` of each
@@ -48,3 +49,32 @@ def gather_slots(shards: Sequence[torch.Tensor], slots: Sequence[Slot], group_si
     outs = [s.new_empty((group_size * s.shape[0], *s.shape[1:])) for s in shards]
     copy_peers(outs, slots)
     return outs
+
+
+def gather_rows(shard: torch.Tensor, slot: Slot, ids: torch.Tensor) -> torch.Tensor:
+    """``embedding(gathered table, ids)`` of a bound ``shard`` (its ``slot``, whose group
+    the caller checked): the C++ row kernel on CUDA, else ``take_rows``."""
+    if shard.is_cuda and native.loaded():
+        return native.gather_rows(shard, ids, slot.group_size)
+    return take_rows(slot, ids)
+
+
+def take_rows(slot: Slot, ids: torch.Tensor) -> torch.Tensor:
+    """Per owner, the rows of ``ids`` it owns, read from its ``peer_views``. Out-of-range ids
+    raise ``IndexError`` as ``F.embedding`` does on CPU (on CUDA: a device-side assert, as
+    CUDA's embedding; ``nonzero`` syncs once per peer there, which the opted-in slow
+    fallback accepts)."""
+    rows, world = slot.shape[0], slot.group_size
+    flat = ids.reshape(-1)
+    if ids.is_cuda:
+        torch._assert_async(((flat >= 0) & (flat < rows * world)).all(),
+                            "torch_ce: ce_gather_rows: index out of range")
+    elif flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows * world):
+        raise IndexError("index out of range in self")
+    owner = torch.div(flat, rows, rounding_mode="floor")
+    local = flat - owner * rows
+    out = flat.new_empty((flat.numel(), *slot.shape[1:]), dtype=slot.dtype)
+    for r in range(world):
+        sel = (owner == r).nonzero().squeeze(1)
+        out.index_copy_(0, sel, slot.peer_views[r].index_select(0, local.index_select(0, sel)))
+    return out.view(*ids.shape, *slot.shape[1:])

@@ -227,6 +227,11 @@ def gather_bound(shards: list[torch.Tensor], group_size: int) -> list[torch.Tens
     return torch.ops.torch_ce_native.gather_bound(list(shards), group_size)
 
 
+def gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The C++ row gather of a bound CUDA shard (NOTE [row kernel] in csrc/ce_rows.cu)."""
+    return torch.ops.torch_ce_native.gather_rows(shard, ids, group_size)
+
+
 def set_split_local_copy(split: bool) -> None:
     """Copy this rank's own rows on a second copy stream (default) or inside the peer batch."""
     if loaded():
