@@ -208,3 +208,40 @@ def count_gathers() -> dict:
 
     native.gather_bound, gather.copy_peers = native_, torch_
     return counts
+
+
+# ---------------------------------------------------------------------------------------
+# SimpleFSDP-style models for compiled tests
+# ---------------------------------------------------------------------------------------
+
+
+class GatherParam(torch.nn.Module):
+    """SimpleFSDP's parametrization: the forward turns the shard into the full weight."""
+
+    def forward(self, w):
+        from torch.distributed.tensor import Replicate
+
+        return w.redistribute(placements=[Replicate()]).to_local()
+
+
+def fsdp_every_param(module, mesh):
+    """Every parameter of ``module``: a Shard(0) DTensor behind a parametrization (no grads)."""
+    import torch.nn.utils.parametrize as P
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for mod in list(module.modules()):
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            setattr(mod, pname, torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
+                                                   requires_grad=False))
+            P.register_parametrization(mod, pname, GatherParam(), unsafe=True)
+    return module
+
+
+class TitanEmbedding(torch.nn.Embedding):
+    """torchtitan's models/common/embedding.py: the parametrized weight is read twice."""
+
+    def forward(self, t):
+        from torch.distributed.tensor import DTensor
+
+        w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        return torch.nn.functional.embedding(t, w)

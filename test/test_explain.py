@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import torch_ce
-from mp_harness import run_ranks, setup_compile
+from mp_harness import TitanEmbedding, fsdp_every_param, run_ranks, setup_compile
 from torch_ce.passes.param_names import fqn_from_source
 
 TIMEOUT = 150
@@ -92,41 +92,10 @@ def test_fqn_from_source(source, fqn):
 # ---------------------------------------------------------------------------------------
 
 
-class _Gather(torch.nn.Module):
-    """SimpleFSDP's parametrization: the forward turns the shard into the full weight."""
-
-    def forward(self, w):
-        from torch.distributed.tensor import Replicate
-
-        return w.redistribute(placements=[Replicate()]).to_local()
-
-
-def _fsdp(module, mesh):
-    """Every parameter of ``module``: a Shard(0) DTensor behind a parametrization."""
-    import torch.nn.utils.parametrize as P
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    for mod in list(module.modules()):
-        for pname, p in list(mod.named_parameters(recurse=False)):
-            setattr(mod, pname, torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
-                                                   requires_grad=False))
-            P.register_parametrization(mod, pname, _Gather(), unsafe=True)
-    return module
-
-
-class _Embedding(torch.nn.Embedding):
-    def forward(self, t):
-        # torchtitan's models/common/embedding.py: the parametrized weight is read twice.
-        from torch.distributed.tensor import DTensor
-
-        w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
-        return torch.nn.functional.embedding(t, w)
-
-
 class _LM(torch.nn.Module):
     def __init__(self, vocab, dim, layers):
         super().__init__()
-        self.tok_embeddings = _Embedding(vocab, dim)
+        self.tok_embeddings = TitanEmbedding(vocab, dim)
         self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
 
     def forward(self, t):
@@ -150,8 +119,8 @@ def _rank(rank, ws, seed, cache_root):
 
     mesh = init_device_mesh("cpu", (ws,))
     torch.manual_seed(seed)  # the same weights on every rank
-    models = [_fsdp(_LM(64, 16, 2).eval(), mesh), _fsdp(_LM(32, 8, 1).eval(), mesh),
-              _fsdp(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).eval(), mesh)]
+    models = [fsdp_every_param(_LM(64, 16, 2).eval(), mesh), fsdp_every_param(_LM(32, 8, 1).eval(), mesh),
+              fsdp_every_param(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).eval(), mesh)]
     gen = torch.Generator().manual_seed(seed + 1 + rank)
     inputs = [torch.randint(0, 64, (2, 5), generator=gen), torch.randint(0, 32, (2, 5), generator=gen),
               torch.randn(3, 8, generator=gen)]

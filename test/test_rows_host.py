@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_harness import randn, reference_all_gather, run_ranks, seed_base, setup_compile
+from mp_harness import TitanEmbedding, fsdp_every_param, randn, reference_all_gather, run_ranks, seed_base, setup_compile
 
 # (dtype, rows per rank, dim): row sizes of 96, 10 and 24 bytes (16-, 2- and 8-byte
 # aligned rows: every vector width of the CUDA kernel).
@@ -116,35 +116,6 @@ VOCAB_PER_RANK, DIM = 8, 16
 ROWS_CALL = re.compile(r"torch\.ops\.magi\.ce_gather_rows\.default\(")
 
 
-class _Gather(torch.nn.Module):
-    def forward(self, w):
-        from torch.distributed.tensor import Replicate
-
-        return w.redistribute(placements=[Replicate()]).to_local()
-
-
-def _fsdp(module, mesh):
-    """Every parameter: a Shard(0) DTensor gathered by SimpleFSDP's redistribute."""
-    import torch.nn.utils.parametrize as P
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    for mod in list(module.modules()):
-        for pname, p in list(mod.named_parameters(recurse=False)):
-            setattr(mod, pname, torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
-                                                   requires_grad=False))
-            P.register_parametrization(mod, pname, _Gather(), unsafe=True)
-    return module
-
-
-class _TitanEmbedding(torch.nn.Embedding):
-    def forward(self, t):
-        # torchtitan's models/common/embedding.py: the parametrized weight is read twice.
-        from torch.distributed.tensor import DTensor
-
-        w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
-        return torch.nn.functional.embedding(t, w)
-
-
 class _LM(torch.nn.Module):
     """Embedding, one linear; ``kind``: "rows" (nn.Embedding with padding_idx), "titan"
     (the double read), "tied" (an LM head on the embedding weight), "max_norm"."""
@@ -153,7 +124,7 @@ class _LM(torch.nn.Module):
         super().__init__()
         self.kind = kind
         if kind == "titan":
-            self.tok = _TitanEmbedding(vocab, DIM)
+            self.tok = TitanEmbedding(vocab, DIM)
         else:
             kw = {"rows": dict(padding_idx=1), "max_norm": dict(max_norm=1.0)}.get(kind, {})
             self.tok = torch.nn.Embedding(vocab, DIM, **kw)
@@ -183,7 +154,7 @@ def _rank_compiled(rank, ws, base, cache_root):
     try:
         for kind in KINDS:
             torch.manual_seed(base)  # the same weights on every rank
-            model = _fsdp(_LM(vocab, kind).eval(), mesh)
+            model = fsdp_every_param(_LM(vocab, kind).eval(), mesh)
             # Every rank's rows, a repeat, this rank's own ids; 2-D.
             ids = torch.cat([torch.arange(vocab), torch.randint(0, vocab, (vocab,), generator=gen)])
             ids = ids.view(4, -1)
