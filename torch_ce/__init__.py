@@ -7,7 +7,7 @@ Public API:
   config                         the settings (see torch_ce/config.py; TORCH_CE_* env vars)
   explain()                      what the passes and binds did
   drop_prefetched()              forget gathers prefetched for the next call (after a
-                                 weight update; NOTE [cross-call prefetch] in prefetch.py)
+                                 weight update; NOTE [cross-call prefetch] in runtime/prefetch.py)
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ class Config:
     # Gather the graph's leading CE weights (whole buckets, at most this many MiB of gathered
     # output) at the end of each call, for the next call (0: off). The outputs stay
     # allocated between calls; weights must not change unless drop_prefetched() is called.
-    # NOTE [cross-call prefetch] in torch_ce/prefetch.py.
+    # NOTE [cross-call prefetch] in torch_ce/runtime/prefetch.py.
     prefetch_next_call_mib: float = 0.0
     # "calibrated": time wait(launch()) on the real windows after binding and use that
     # curve; "default": the documented curve from our H200 measurements only.

@@ -27,13 +27,13 @@ in full by the collective and looked up, on every rank.
                   str[] reasons) -> ()
 
 The bind step the compiler inserts at the head of a graph (NOTE [run-time bind] in
-passes/bind_step.py). Declared as mutating its shards so Inductor keeps every read of them
+runtime/bind_step.py). Declared as mutating its shards so Inductor keeps every read of them
 after it; it moves them into windows on its first run and costs one dict lookup after.
 
     magi::ce_prefetch(Tensor(a!)[] shards, int group_size, str group_name) -> ()
 
 Gathers the next call's first weights at the end of this one and parks the outputs for
-the next gathers of ``shards`` (NOTE [cross-call prefetch] in prefetch.py). Declared as
+the next gathers of ``shards`` (NOTE [cross-call prefetch] in runtime/prefetch.py). Declared as
 mutating its shards only so Inductor keeps it (it has no output); it writes nothing.
 """
 from __future__ import annotations

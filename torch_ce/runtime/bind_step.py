@@ -5,7 +5,7 @@ Binding needs the live shards (a window must hold the weight itself), and a post
 does not run at all on an FX-graph-cache hit; a collective inside a compile pass would hang
 when one rank hits the cache and another misses. So the passes only decide (from graph
 facts identical on every rank) and insert one ``magi::ce_bind`` at the head of the graph.
-Its first run agrees, opens windows, moves the shards and pays one publish barrier; every
+Its first run agrees, opens windows, moves the shards and publishes them (one bind round, runtime/agreement.py); every
 rank executes the same generated code, so the collectives line up. Later runs find every
 shard already bound (or marked Fallback) and return after one lookup per shard.
 """

@@ -223,14 +223,14 @@ def calibrate(slot, sizes_mib=(1, 4, 16, 64)) -> Curve | None:
     A window smaller than ``MIN_CALIBRATION_BYTES`` of peer reads is not calibrated
     (returns None); an implausible ladder gives the built-in curve (``adopt``).
     """
-    from . import cuda as cuda_transport, host as host_transport, windows as W
+    from . import cuda, host, windows as W
 
     w = slot.window
     dev = w.device
     key = link_key(dev, w.group_size)
     if key in _curves and _curves[key].source == "calibrated":
         return _curves[key]
-    tr = cuda_transport if dev.type == "cuda" else host_transport
+    tr = cuda if dev.type == "cuda" else host
     gather = torch.ops.magi.ce_all_gather
     points = []
     for mib in sizes_mib:
