@@ -1,11 +1,15 @@
-"""``torch-ce bench e2e``: a compiled SimpleFSDP decoder, NCCL vs copy engine vs no-comm bound.
+"""``torch-ce bench e2e``: a compiled SimpleFSDP model, NCCL vs copy engine vs no-comm bound.
 
-The model of shared/probes/e2e_baseline.py (``torch_ce.simple_fsdp.Decoder``): ``--layers``
-decoder layers (RMSNorm, fused QKV, SDPA, SwiGLU FFN), bf16, every Linear weight a Shard(0)
-DTensor over all ranks,
-gathered in the forward by a ``redistribute(Replicate()).to_local()`` parametrization,
-compiled with plain ``torch.compile`` for inference (``torch.no_grad()``). Per token count,
-four variants, each a fresh compile (``torch._dynamo.reset()``) of a fresh model built
+``--model decoder`` (the default) is the model of shared/probes/e2e_baseline.py
+(``torch_ce.simple_fsdp.Decoder``): ``--layers`` decoder layers (RMSNorm, fused QKV, SDPA,
+SwiGLU FFN), bf16, every Linear weight a Shard(0) DTensor over all ranks, gathered in the
+forward by a ``redistribute(Replicate()).to_local()`` parametrization, compiled with plain
+``torch.compile`` for inference (``torch.no_grad()``). ``--model llama3_8b`` / ``qwen3_8b``
+is torchtitan's own architecture (zoo.py says how it is isolated from the zoo's training
+imports): the first ``--layers`` blocks of the 8B flavour (GQA,
+full-vocabulary embedding and LM head), bf16, wrapped with torchtitan's SimpleFSDP
+``data_parallel(mode="fully_shard")`` (every parameter Shard(0)), fed token ids. Per token
+count, four variants, each a fresh compile (``torch._dynamo.reset()``) of a fresh model built
 from the same seed, so all compute the same function:
 
   nccl          torch_ce.enable(transport="nccl")            our reorder, gathers on NCCL
@@ -22,11 +26,14 @@ prefetch] in torch_ce/runtime/prefetch.py; ``--prefetch-mib``, by default one de
 
 Reports ms per forward (median of per-iteration CUDA events), CE/NCCL and CE/bound, the
 CE output against the NCCL output, whether the generated code calls the magi ops, and the
-reorder summary. ``--trace`` profiles 3 iterations of the ce and bound variants on rank 0
-and summarises the copy-engine activity, its overlap with compute, and the compute
-stream's idle gaps (no trace file is kept).
+reorder summary. ``--trace`` profiles 3 iterations of the nccl, ce and bound variants on
+rank 0 and summarises the copy-engine activity, its overlap with compute, and the compute
+stream's idle gaps (no trace file is kept), and writes the per-gather account of nccl and
+ce against bound (account.py: bytes, copy time, GB/s, exposed time, compute slowdown)
+as ``account_<model>_<world>.json`` and ``timeline_<model>_<world>.png`` (timeline.py).
 
-Writes ``<out>/e2e_<gpu>_w<world>.json`` (after every variant) and ``e2e_<gpu>_w<world>.png``.
+Writes ``<out>/e2e_<gpu>_w<world>.json`` (``e2e_<model>_<gpu>_w<world>.json`` for a zoo
+model; after every variant) and the same name with ``.png``.
 
 This module holds the command and the per-rank loop; one variant's build, compile and
 timing are in e2e_variant.py, the trace summary in trace.py, checks, ratios, targets,
@@ -41,14 +48,18 @@ import time
 
 from . import common as C
 from . import ranks as R
-from .e2e_report import (TARGETS_TEXT, draw, local_checks, merge_previous, print_summary,
+from .e2e_report import (TARGETS_TEXT, describe, draw, local_checks, merge_previous, print_summary,
                          score)
-from .e2e_variant import cleanup, fresh_caches, peer_order_of, run_variant
+from .e2e_variant import cleanup, fresh_caches, model_input, peer_order_of, run_variant
+from .timeline import short_label
+from .timeline import write as write_account
 from .trace import trace_line
+from .zoo import MODELS
 
 VARIANTS = ("nccl", "ce", "ce_fixed", "ce_chunk", "ce_noreorder", "ce_prefetch", "bound", "nccl_cg",
             "ce_cg", "bound_cg")
 DEFAULT_VARIANTS = ("nccl", "ce", "ce_noreorder", "bound")
+TRACED = ("nccl", "ce", "bound")
 # *_cg: the same variant compiled with mode="reduce-overhead" (CUDA graphs): no per-op
 # CPU issue cost at replay.
 
@@ -56,12 +67,16 @@ DEFAULT_VARIANTS = ("nccl", "ce", "ce_noreorder", "bound")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="torch-ce bench e2e",
-        description="Compiled SimpleFSDP-style decoder inference on all GPUs: NCCL gathers vs "
+        description="Compiled SimpleFSDP model inference on all GPUs: NCCL gathers vs "
                     "copy-engine gathers (with and without torch_ce's reorder) vs the "
                     "replicated no-communication bound. Targets: " + TARGETS_TEXT,
     )
+    p.add_argument("--model", choices=("decoder", *MODELS), default="decoder",
+                   help="the in-house decoder (default) or torchtitan's architecture (first --layers blocks)")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=None,
+                   help="model width (default 4096; for a zoo model a smaller one scales heads and FFN)")
+    p.add_argument("--vocab", type=int, default=0, help="zoo model vocabulary (default: the flavour's)")
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--heads", type=int, default=0, help="attention heads (default dim // 128)")
     p.add_argument("--tokens", default="1024,4096", help="token counts, comma-separated (batch 1)")
@@ -70,7 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"subset of {','.join(VARIANTS)} (default all)")
     p.add_argument("--trace", action="store_true",
-                   help="profile 3 iterations of ce and bound on rank 0: copy/compute overlap, idle gaps")
+                   help="profile 3 iterations of nccl, ce and bound on rank 0: copy/compute overlap, "
+                        "idle gaps, per-gather account and timeline")
     p.add_argument("--budget", type=float, default=200.0,
                    help="soft time budget in s: no new variant starts after it (default 200)")
     p.add_argument("--seed", type=int, default=0)
@@ -83,7 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also write rank 0's generated code of the CE variant (first token "
                         "count) to <out>/e2e_code_ce.py")
     C.add_common_args(p, timeout_s=300)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.dim is None:
+        a.dim = MODELS[a.model]["dim"] if a.model in MODELS else 4096
+    return a
 
 
 def main(argv=None) -> int:
@@ -93,9 +112,18 @@ def main(argv=None) -> int:
     if bad:
         print(f"torch-ce bench e2e: unknown variants {sorted(bad)}; known {VARIANTS}", flush=True)
         return 2
-    print(f"torch-ce bench e2e: {args.layers} layers, dim {args.dim}, ffn {args.ffn}, tokens "
-          f"{args.tokens}, out {args.out}", flush=True)
+    print(f"torch-ce bench e2e: {describe(vars(args))}, tokens {args.tokens}, out {args.out}", flush=True)
     return R.launch("torch-ce bench e2e", _worker, args)
+
+
+def name_gathers(traced: dict) -> None:
+    """Each traced variant's gathers named by their weights: the placeholders of the code's
+    gather calls through the CE variant's placeholder -> parameter map (the same graph
+    inputs in every sharded variant; without it, the placeholder names)."""
+    for per in traced.values():
+        param_of = (per.get("ce") or {}).get("param_of") or {}
+        for d in per.values():
+            d["labels"] = [short_label([param_of.get(p, p) for p in args]) for args in d.get("args", [])]
 
 
 def _worker(rank: int, world: int, a: dict) -> None:
@@ -113,7 +141,8 @@ def _worker(rank: int, world: int, a: dict) -> None:
     sg = R.status_group()
     mesh = init_device_mesh(dev.type, (world,))
     tag = C.gpu_tag()
-    path = os.path.join(a["out"], f"e2e_{tag}_w{world}.json")
+    model = "" if a["model"] == "decoder" else f"{a['model']}_"
+    path = os.path.join(a["out"], f"e2e_{model}{tag}_w{world}.json")
     env = C.env_info(world) if rank == 0 else None
     variants = [v for v in VARIANTS if v in C.parse_list(a["variants"], str)]
     tokens = C.parse_list(a["tokens"], int)
@@ -128,13 +157,14 @@ def _worker(rank: int, world: int, a: dict) -> None:
             C.write_json(path, result, env)
 
     t_start = time.monotonic()
+    traced: dict = {}  # rank 0: T -> variant -> compact trace and gather names (account.py)
     for T in tokens:
         a["_first_T"] = T == tokens[0]
         per: dict = dict(tokens=T)
         result["results"][str(T)] = per
-        g = torch.Generator(device=dev).manual_seed(a["seed"] + 17 * T)
-        x = torch.randn(1, T, a["dim"], dtype=torch.bfloat16, device=dev, generator=g)
+        x = model_input(a, T, dev, a["seed"] + 17 * T)
         outs: dict = {}
+        traced[T] = {}
         for name in variants:
             over = R.exchange(time.monotonic() - t_start > a["budget"], sg)
             if any(over):
@@ -146,7 +176,8 @@ def _worker(rank: int, world: int, a: dict) -> None:
             err, rec, y = None, {}, None
             try:
                 with native.peer_order_as(**peer_order_of(name, a)):
-                    y = run_variant(name, a, x, mesh, rank, world, a["trace"] and name in ("ce", "bound"), rec)
+                    y = run_variant(name, a, x, mesh, rank, world, a["trace"] and name in TRACED, rec,
+                                    traced[T].setdefault(name, {}))
             except Exception as e:  # noqa: BLE001
                 err = C.short_error(e)
                 C.log_all(f"[e2e] T={T} {name} FAILED: {e!r}")
@@ -182,6 +213,10 @@ def _worker(rank: int, world: int, a: dict) -> None:
     import shutil
 
     shutil.rmtree(cache_dir, ignore_errors=True)
+    if rank == 0 and any(d.get("events") for per in traced.values() for d in per.values()):
+        name_gathers(traced)
+        acct, png = write_account(a["out"], traced, world, a["model"])
+        C.log(f"[e2e] per-gather account: {acct}" + (f", timeline {png}" if png else ""))
     if rank == 0:
         print_summary(result, variants)
         png = C.save_png(path[:-5] + ".png", lambda plt: draw(plt, result, variants, tag, world))

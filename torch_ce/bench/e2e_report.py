@@ -10,6 +10,13 @@ from . import common as C
 TARGETS_TEXT = "CE <= 0.90x NCCL and CE <= 1.05x the no-communication bound"
 
 
+def describe(a: dict) -> str:
+    """The model of a run, for logs, tables and titles."""
+    if a.get("model", "decoder") == "decoder":
+        return f"decoder, {a['layers']} layers, dim {a['dim']}, ffn {a['ffn']}"
+    return f"{a['model']} (torchtitan), first {a['layers']} layers, dim {a['dim']}, vocab {a['vocab'] or 'full'}"
+
+
 def compare(y, ref) -> dict:
     """``allclose``: rtol=atol=1e-2 as asked. ``within_bf16_tol``: rtol=1e-2 and atol of two
     bf16 ulps at the output's largest magnitude (max|ref| / 64): two compiled graphs that
@@ -103,7 +110,8 @@ def score(per: dict, T: int, variants: list[str], checks: dict, all_checks: list
     per["targets"] = tg
 
 
-_SAME_MODEL = ("layers", "dim", "ffn", "heads", "seed", "device")
+# Run arguments that define the model, with their value in files written before they existed.
+_SAME_MODEL = dict(layers=None, dim=None, ffn=None, heads=None, seed=None, device=None, model="decoder", vocab=0)
 
 
 def merge_previous(path: str, result: dict, tokens: list[int]) -> None:
@@ -115,7 +123,8 @@ def merge_previous(path: str, result: dict, tokens: list[int]) -> None:
     except (OSError, ValueError):
         return
     pa, a = prev.get("args") or {}, result["args"]
-    if prev.get("world_size") != result["world_size"] or any(pa.get(k) != a.get(k) for k in _SAME_MODEL):
+    if prev.get("world_size") != result["world_size"] or any(
+            pa.get(k, d) != a.get(k, d) for k, d in _SAME_MODEL.items()):
         return
     date = (prev.get("env") or {}).get("date")
     for T, per in (prev.get("results") or {}).items():
@@ -150,7 +159,7 @@ def print_summary(result: dict, variants: list[str]) -> None:
                 f"{ro.get('launches', '-')}/{ro.get('compute_limited', '-')}"]
         rows.append(row)
     a = result["args"]
-    print(f"\n[e2e] {a['layers']} layers, dim {a['dim']}, ffn {a['ffn']}, bf16, world "
+    print(f"\n[e2e] {describe(a)}, bf16, world "
           f"{result['world_size']}: ms per forward, median of the slowest rank (in brackets: "
           f"CPU ms to issue one forward, slowest rank)", flush=True)
     print(C.format_table(["tokens", *variants, "CE/NCCL", "CE/bound", "CE-NCCL diff/allclose/tol", "CE-bound diff/allclose/tol",
@@ -181,7 +190,7 @@ def draw(plt, result: dict, variants: list[str], tag: str, world: int):
     ax.set_xticklabels([f"{T} tokens" for T in Ts])
     ax.set_ylabel("ms per forward")
     a = result["args"]
-    ax.set_title(f"compiled decoder: {a['layers']} layers, dim {a['dim']}, ffn {a['ffn']}; {tag}, world {world}",
+    ax.set_title(f"compiled {describe(a)}; {tag}, world {world}",
                  fontsize=10)
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)

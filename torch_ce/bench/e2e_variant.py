@@ -1,19 +1,22 @@
 """One variant of ``torch-ce bench e2e`` on one rank: the model, the config, the compile,
 the timing (and the trace), plus torch_ce's own record of what it did.
 
-The model is shared/probes/e2e_baseline.py's decoder (``torch_ce.simple_fsdp``); every
-variant builds it afresh from the same seed, so all variants compute the same function.
+The model is shared/probes/e2e_baseline.py's decoder (``torch_ce.simple_fsdp``) or one of
+torchtitan's (zoo.py, ``--model``); every variant builds it afresh from the same seed, so
+all variants compute the same function.
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
 import os
+import re
 import tempfile
 import time
 
 from . import common as C
 from . import ranks as R
+from . import zoo
 from .trace import trace_ce
 
 
@@ -77,6 +80,33 @@ def build_sharded(a: dict, dev, seed: int, mesh, rank: int, world: int):
     return net
 
 
+def build(a: dict, dev, seed: int, mesh, rank: int, world: int, sharded: bool):
+    """The variant's model: ``--model``, replicated (bound) or sharded over ``mesh``."""
+    if a["model"] == "decoder":
+        return build_sharded(a, dev, seed, mesh, rank, world) if sharded else build_full(a, dev, seed)
+    return zoo.build_sharded(a, dev, seed, mesh) if sharded else zoo.build_full(a, dev, seed)
+
+
+def model_input(a: dict, T: int, dev, seed: int):
+    """Batch 1 of ``T`` tokens: hidden states for the decoder, token ids for a zoo model."""
+    import torch
+
+    if a["model"] != "decoder":
+        return zoo.tokens(a, T, dev, seed)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return torch.randn(1, T, a["dim"], dtype=torch.bfloat16, device=dev, generator=g)
+
+
+_GATHER_CALL = re.compile(r"torch\.ops\.(?:magi\.ce_all_gather(?:_coalesced)?|_c10d_functional\."
+                          r"all_gather_into_tensor\w*)\.default\((\[[^\]]*\]|\w+)")
+
+
+def gather_args(code: str) -> list[list[str]]:
+    """The shard arguments (graph placeholders) of each gather call, in code order: the
+    order the gather ops run in, so the account can name them (account.py)."""
+    return [re.findall(r"\w+", m.group(1)) for m in _GATHER_CALL.finditer(code)]
+
+
 _CALLS = dict(
     code_magi_ce_all_gather_calls=r"magi\.ce_all_gather(?:_coalesced)?\.default\(",
     code_magi_ce_bind_calls=r"magi\.ce_bind\.default\(",
@@ -86,8 +116,6 @@ _CALLS = dict(
 
 def code_call_counts(code: str) -> dict:
     """Calls (not comments) of the magi ops and of NCCL all-gathers in generated code."""
-    import re
-
     return {k: len(re.findall(p, code)) for k, p in _CALLS.items()}
 
 
@@ -136,9 +164,12 @@ def peer_order_of(name: str, a: dict) -> dict:
     return {}
 
 
-def run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool, rec: dict):
+def run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool, rec: dict,
+                traced: dict | None = None):
     """Build, compile and time one variant, filling ``rec`` as it goes (so a failure keeps
-    what was measured); returns this rank's output of the first call."""
+    what was measured); returns this rank's output of the first call. With ``trace``, rank 0
+    also leaves in ``traced`` the compact trace, the gathers' arguments in code order and
+    the placeholder -> parameter names the CE passes saw (for the account)."""
     import torch
     from torch._inductor.utils import run_and_get_code
 
@@ -167,10 +198,7 @@ def run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool,
     if name.startswith("ce"):
         rec["ce_cost_curve_at_compile"] = _curve(dev, world)
     t0 = time.perf_counter()
-    if base == "bound":
-        model = build_full(a, dev, a["seed"])
-    else:
-        model = build_sharded(a, dev, a["seed"], mesh, rank, world)
+    model = build(a, dev, a["seed"], mesh, rank, world, sharded=base != "bound")
     rec["build_s"] = round(time.perf_counter() - t0, 2)
     compiled = torch.compile(model, dynamic=False, mode="reduce-overhead" if graphs else None)
     try:
@@ -186,6 +214,7 @@ def run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool,
                 with open(p, "w") as f:
                     f.write(code)
             rec.update(code_call_counts(code))
+            args = gather_args(code)
             rec["magi_in_code"] = rec["code_magi_ce_all_gather_calls"] > 0
             out = y.detach().clone()
             del y
@@ -203,7 +232,11 @@ def run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool,
                 if rank == 0:
                     C.log("[e2e]   tracing 3 iterations on rank 0 ...")
                     try:
-                        rec["trace"] = trace_ce(lambda: compiled(x), 3)
+                        keep: dict = {}
+                        rec["trace"] = trace_ce(lambda: compiled(x), 3, keep)
+                        if traced is not None:
+                            traced.update(keep, args=args, param_of={
+                                b["name"]: b["param"] for gr in report.graphs for b in gr.bound + gr.refused})
                     except Exception as e:  # noqa: BLE001  (the timing stands without it)
                         rec["trace"] = dict(error=C.short_error(e))
                 else:  # the peer runs the same iterations (its copies load the links too)

@@ -151,17 +151,22 @@ def _compute_gaps(compute: list, ce_iv: list, iterations: int, top: int = 8) -> 
     )
 
 
-def trace_ce(fn, iterations: int = 3) -> dict:
-    """Profile ``iterations`` calls on this rank; summarise and delete the trace file."""
-    from torch.profiler import ProfilerActivity, profile
+def trace_ce(fn, iterations: int = 3, keep: dict | None = None) -> dict:
+    """Profile ``iterations`` calls on this rank; summarise and delete the trace file. Each
+    call is one ``torch_ce_iter<i>`` annotation; ``keep["events"]`` gets the compact trace
+    that the per-gather account reads (account.py)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from .account import ITER_MARK, compact
 
     acts = [ProfilerActivity.CPU]
     if R.is_cuda():
         acts.append(ProfilerActivity.CUDA)
     C.sync()
     with profile(activities=acts) as prof:
-        for _ in range(iterations):
-            fn()
+        for i in range(iterations):
+            with record_function(f"{ITER_MARK}{i}"):
+                fn()
         C.sync()
     fd, path = tempfile.mkstemp(prefix="torch_ce_trace_", suffix=".json")
     os.close(fd)
@@ -176,6 +181,8 @@ def trace_ce(fn, iterations: int = 3) -> dict:
         except OSError:
             pass
     s = summarize_trace(trace, iterations)
+    if keep is not None:
+        keep["events"] = compact(trace)
     s["trace_file_mib"] = round(size / 2**20, 2)
     del trace
     return s
