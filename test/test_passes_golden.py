@@ -401,6 +401,15 @@ graph():
         rows = report.graphs[-1].bound[0]["rows"]
         self.assertEqual((rows["rows"], rows["row_bytes"], rows["reason"]), (6, 32, ""))
 
+    def test_row_gathers_off_keeps_full_gathers(self):
+        """row_gathers=False (the bench's ce_fullrows A/B): the table is gathered in full."""
+        ids = torch.randint(0, 16, (2, 3))
+        g = self.compile_and_run(self.embedding_lm(tied=False), ids, transport="copy_engine",
+                                 row_gathers=False)
+        self.assertNotIn("ce_gather_rows", g)
+        self.assertIn("aten.embedding.default", g)
+        self.assertEqual(g.count("magi.ce_all_gather"), 2)  # the table (coalesced twice) and lin
+
     def test_embedding_tied_head_stays_full(self):
         """A tied head reads the gathered table: every gather of it stays a full CE gather."""
         ids = torch.randint(0, 16, (2, 3))

@@ -34,6 +34,9 @@ class Config:
     # Reorder: a launch needs upstream compute >= cost * scale + margin to be hidden.
     comm_overlap_window_scale: float = 1.5
     comm_overlap_margin_us: float = 5.0
+    # A weight gathered only for embedding lookups reads just the looked-up rows
+    # (magi::ce_gather_rows, NOTE [row gathers] in passes/rows.py); off: full gathers.
+    row_gathers: bool = True
     # Install the latest-safe-launch reorder (either transport); read at each enable().
     reorder: bool = True
     # Gather the graph's leading CE weights (whole buckets, at most this many MiB of gathered

@@ -17,7 +17,8 @@ from the same seed, so all compute the same function:
   ce_noreorder  torch_ce.enable(transport="copy_engine", reorder=False)
   bound         the same model replicated on every GPU (no DTensor, no communication)
 
-and, not in the default set: ``ce_fixed`` and ``ce_chunk``, the ce variant with its peer
+and, not in the default set: ``ce_fullrows``, the ce variant with embeddings gathered in
+full (``row_gathers=False``: the A/B of the row gather); ``ce_fixed`` and ``ce_chunk``, the ce variant with its peer
 reads in the order before issue 16 (every rank reads rank 0 first) or in chunked
 interleave (``--peer-chunk-mib``; NOTE [peer order] in csrc/ce_copy.h); ``ce_prefetch``, the ce variant prefetching the next forward's
 first weights at the end of each forward (``prefetch_next_call_mib``, NOTE [cross-call
@@ -56,7 +57,7 @@ from .timeline import write as write_account
 from .trace import trace_line
 from .zoo import MODELS
 
-VARIANTS = ("nccl", "ce", "ce_fixed", "ce_chunk", "ce_noreorder", "ce_prefetch", "bound", "nccl_cg",
+VARIANTS = ("nccl", "ce", "ce_fixed", "ce_chunk", "ce_fullrows", "ce_noreorder", "ce_prefetch", "bound", "nccl_cg",
             "ce_cg", "bound_cg")
 DEFAULT_VARIANTS = ("nccl", "ce", "ce_noreorder", "bound")
 TRACED = ("nccl", "ce", "bound")

@@ -189,6 +189,8 @@ def run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool,
         torch_ce.enable(transport="nccl", reorder=True)
     elif base in ("ce", "ce_fixed", "ce_chunk"):  # the last two: peer_order_of
         torch_ce.enable(transport="copy_engine", reorder=True)
+    elif base == "ce_fullrows":  # the embedding gathered in full (no row gather), for the A/B
+        torch_ce.enable(transport="copy_engine", reorder=True, row_gathers=False)
     elif base == "ce_noreorder":
         torch_ce.enable(transport="copy_engine", reorder=False)
     elif base == "ce_prefetch":

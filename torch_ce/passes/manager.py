@@ -51,7 +51,7 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     p = plan_mod.plan(seeds, whole_graph_refused=refused_whole is not None)
     bind_node = rewrite_mod.rewrite(graph, p)
     # NOTE [row gathers] in rows.py: the row-gathered weights' gathers leave the graph.
-    row_weights = rows_mod.find(seeds)
+    row_weights = rows_mod.find(seeds) if config.row_gathers else []
     gone = rows_mod.rewrite(graph, row_weights)
     kept = [s for s in seeds if id(s) not in gone]
     buckets = [] if refused_whole else bucket_mod.bucket(graph, kept, config)
