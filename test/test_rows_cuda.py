@@ -65,7 +65,7 @@ def _rank_compiled_cuda(rank, ws, base, cache_root):
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"inductor_rank{rank}")
     import torch_ce
-    from test_rows_host import _fsdp
+    from mp_harness import fsdp_every_param as _fsdp
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
 
