@@ -29,7 +29,6 @@ import json
 import time
 from typing import Any
 
-import torch.distributed as dist
 
 _POLL_S = (0.0005, 0.05)  # first and longest sleep between polls
 
@@ -158,7 +157,3 @@ def agree(cands: list, mine: list, everyone: dict[int, list]) -> list:
                 break
         out.append(why)
     return out
-
-
-def global_rank() -> int:
-    return dist.get_rank()

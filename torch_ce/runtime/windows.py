@@ -300,10 +300,6 @@ def bound_slots() -> list[Slot]:
     return [e for e in _registry.values() if isinstance(e, Slot)]
 
 
-def slot_of_name(name: str) -> Slot | None:
-    return next((s for s in bound_slots() if s.name == name), None)
-
-
 _teardown_hooks: list[Callable[[], None]] = []
 
 
