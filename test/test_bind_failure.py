@@ -40,13 +40,34 @@ def _check_rolled_back(ws, originals) -> None:
     assert W.open_count() == 0
 
 
-def _rank_raise(rank: int, world: int, failing: int) -> dict:
+def _failing_bind(ws, move) -> tuple[str, float]:
+    """Bind ``ws`` with ``binding._move_into_slots`` replaced by ``move``; every rank must
+    raise BindError and roll back. Returns the message and the seconds the bind took."""
+    import torch.distributed.tensor  # noqa: F401  (~2 s on first import: not the bind's time)
     import torch_ce
     from torch_ce.runtime import agreement, binding
 
+    originals = [w.clone() for w in ws]
+    real = binding._move_into_slots
+    binding._move_into_slots = move
+    dist.barrier()  # start together: what is timed is the bind, not the ranks' imports
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(agreement.BindError) as err:
+            torch_ce.bind(ws, group=dist.group.WORLD)
+    finally:
+        binding._move_into_slots = real
+    elapsed = time.monotonic() - t0
+    _check_rolled_back(ws, originals)
+    return str(err.value), elapsed
+
+
+def _rank_raise(rank: int, world: int, failing: int) -> dict:
+    import torch_ce
+    from torch_ce.runtime import binding
+
     torch_ce.config.update(bind_timeout_s=TIMEOUT_S, cost_mode="default")
     ws = _weights(rank)
-    originals = [w.clone() for w in ws]
     real = binding._move_into_slots
 
     def move_then_fail(slots, moved):
@@ -55,22 +76,13 @@ def _rank_raise(rank: int, world: int, failing: int) -> dict:
             raise RuntimeError("injected failure while moving shards")
         real(slots, moved)
 
-    binding._move_into_slots = move_then_fail
-    import torch.distributed.tensor  # noqa: F401  (~2 s on first import: not the bind's time)
-
-    dist.barrier()  # start together: what is timed is the bind, not the ranks' imports
-    t0 = time.monotonic()
-    with pytest.raises(agreement.BindError) as err:
-        torch_ce.bind(ws, group=dist.group.WORLD)
-    elapsed = time.monotonic() - t0
-    binding._move_into_slots = real
-    _check_rolled_back(ws, originals)
+    msg, elapsed = _failing_bind(ws, move_then_fail)
     # The job goes on: the same weights bind and gather exactly.
     res = torch_ce.bind(ws, group=dist.group.WORLD)
     assert len(res.bound) == len(ws)
     for w in ws:
         assert torch.equal(torch_ce.all_gather(w), reference_all_gather(w))
-    return dict(msg=str(err.value), elapsed=elapsed)
+    return dict(msg=msg, elapsed=elapsed)
 
 
 @pytest.mark.parametrize("world,failing", [(2, 1), (3, 0)])
@@ -84,11 +96,9 @@ def test_one_rank_raises_every_rank_raises(world, failing):
 
 def _rank_hang(rank: int, world: int) -> dict:
     import torch_ce
-    from torch_ce.runtime import agreement, binding
+    from torch_ce.runtime import binding
 
     torch_ce.config.update(bind_timeout_s=TIMEOUT_S, cost_mode="default")
-    ws = _weights(rank)
-    originals = [w.clone() for w in ws]
     real = binding._move_into_slots
 
     def stall(slots, moved):
@@ -96,17 +106,8 @@ def _rank_hang(rank: int, world: int) -> dict:
             time.sleep(TIMEOUT_S * 2.5)  # not in any collective: just late
         real(slots, moved)
 
-    binding._move_into_slots = stall
-    import torch.distributed.tensor  # noqa: F401
-
-    dist.barrier()
-    t0 = time.monotonic()
-    with pytest.raises(agreement.BindError) as err:
-        torch_ce.bind(ws, group=dist.group.WORLD)
-    elapsed = time.monotonic() - t0
-    binding._move_into_slots = real
-    _check_rolled_back(ws, originals)
-    return dict(msg=str(err.value), elapsed=elapsed)
+    msg, elapsed = _failing_bind(_weights(rank), stall)
+    return dict(msg=msg, elapsed=elapsed)
 
 
 def test_a_stalled_rank_is_named_at_the_deadline():

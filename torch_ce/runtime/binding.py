@@ -77,21 +77,10 @@ def local_reason(t: torch.Tensor, group, min_shard_bytes: int | None = None) -> 
     gate's predicate (eligibility.shard_refusal) on the live shard, plus the kernels."""
     if group is None:
         return refusal(Reason.NO_GROUP, "no process group (plain tensors need group=...)")
-    cfg = config if min_shard_bytes is None else _MinBytes(config, min_shard_bytes)
     return shard_refusal(
         device_type=t.device.type, nbytes=t.numel() * t.element_size(), numel=t.numel(),
-        dim=t.dim(), contiguous=t.is_contiguous(), group_size=dist.get_world_size(group), cfg=cfg,
-        kernel_refusal=native.kernel_refusal)
-
-
-class _MinBytes:
-    """The config with another ``min_shard_bytes`` (``bind(..., min_shard_mib=...)``)."""
-
-    def __init__(self, cfg, min_shard_bytes: int):
-        self._cfg, self.min_shard_bytes = cfg, min_shard_bytes
-
-    def __getattr__(self, name):
-        return getattr(self._cfg, name)
+        dim=t.dim(), contiguous=t.is_contiguous(), group_size=dist.get_world_size(group),
+        cfg=config, min_shard_bytes=min_shard_bytes, kernel_refusal=native.kernel_refusal)
 
 
 def candidate_from_param(name: str, p: torch.Tensor, group, min_shard_bytes: int) -> Candidate:

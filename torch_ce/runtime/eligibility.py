@@ -76,10 +76,12 @@ def refusal(code: Reason, text: str) -> Refusal:
 
 
 def shard_refusal(*, device_type: str, nbytes: int | None, numel: int | None, dim: int,
-                  contiguous: bool, group_size: int, cfg, kernel_refusal=None) -> Refusal | None:
+                  contiguous: bool, group_size: int, cfg, min_shard_bytes: int | None = None,
+                  kernel_refusal=None) -> Refusal | None:
     """Why a shard with these facts cannot be bound into a window (None: it can).
 
-    ``nbytes``/``numel`` are None for a dynamic shape. ``kernel_refusal(device_type)`` (run
+    ``nbytes``/``numel`` are None for a dynamic shape; ``min_shard_bytes`` overrides the
+    config's (``bind(..., min_shard_mib=...)``). ``kernel_refusal(device_type)`` (run
     time only) says whether a gather kernel exists for the device (runtime/native.py).
     """
     if group_size < 2:
@@ -96,9 +98,10 @@ def shard_refusal(*, device_type: str, nbytes: int | None, numel: int | None, di
                            "CPU tensor with the CUDA copy-engine transport (host transport off)")
     elif device_type != "cuda":
         return refusal(Reason.UNSUPPORTED_DEVICE, f"unsupported device {device_type}")
-    if nbytes < cfg.min_shard_bytes:
+    min_bytes = cfg.min_shard_bytes if min_shard_bytes is None else min_shard_bytes
+    if nbytes < min_bytes:
         return refusal(Reason.BELOW_MIN_SIZE,
-                       f"shard below symm_min_shard_mib ({nbytes} B < {cfg.min_shard_bytes} B)")
+                       f"shard below symm_min_shard_mib ({nbytes} B < {min_bytes} B)")
     if kernel_refusal is not None:
         why = kernel_refusal(device_type)
         if why is not None:
