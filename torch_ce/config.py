@@ -20,7 +20,7 @@ COST_MODES = ("calibrated", "default")
 
 @dataclasses.dataclass
 class Config:
-    # "nccl": no graph pass (only the reorder, if on). "copy_engine": eligible weight gathers become one-sided
+    # "nccl": graphs untouched (our pass only carries the cache identity; the reorder, if on). "copy_engine": eligible weight gathers become one-sided
     # window reads (CUDA copy engines for CUDA weights, the host transport for CPU weights).
     transport: str = "nccl"
     # Shards smaller than this stay on NCCL (0: every eligible weight is bound).
