@@ -2,7 +2,8 @@
 # Device-machine runs (2 or more H200s): build the extension, run the GPU tests, then both
 # benchmarks. Everything is logged under $OUT; a short summary is printed last.
 # Usage there: bash bench/run_gpu.sh   (with .whl/ carried for torchtitan's modules)
-# STEPS picks what runs (default "tests titan issue ops e2e scaling"), so the work can be
+# STEPS picks what runs (default "tests titan issue ops e2e scaling"; also "train_tests"
+# and "train": test/test_training_cuda.py and bench train, TRAIN_ARGS passed to it), so the work can be
 # split over calls that each fit the 10-minute limit. WORLDS (default "2") lists the world
 # sizes: every step but scaling runs once per world (the tests through TORCH_CE_GPU_WORLD,
 # the benches with --nprocs), logging to <step>_w<world>.log; scaling plots the ops JSONs of
@@ -50,6 +51,14 @@ for W in $WORLDS; do
     timeout ${OPS_TIMEOUT:-150} python3 -m torch_ce.cli bench ops --nprocs $W --out "$OUT" ${OPS_ARGS:-} > "$OUT/bench_ops_w$W.log" 2>&1
     echo "bench ops w$W rc=$?"
   fi
+  if has train_tests; then
+    timeout ${TRAIN_TEST_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider test/test_training_cuda.py > "$OUT/gpu_train_tests_w$W.log" 2>&1
+    echo "gpu training tests w$W rc=$?"
+  fi
+  if has train; then
+    timeout ${TRAIN_TIMEOUT:-420} python3 -m torch_ce.cli bench train --nprocs $W --out "$OUT" ${TRAIN_ARGS:-} > "$OUT/bench_train_w$W.log" 2>&1
+    echo "bench train w$W rc=$?"
+  fi
   if has e2e; then
     # SM clocks and power beside the timed loops (perf-notes section 9: is the GPU slowing
     # under sustained load?); each variant's wall-clock start/end is in the e2e JSON.
@@ -72,5 +81,7 @@ for W in $WORLDS; do
   has issue && { echo "===== issue cost w$W"; grep "\[issue\]" "$OUT/issue_cost_w$W.log" || tail -5 "$OUT/issue_cost_w$W.log"; }
   has ops && { echo "===== bench ops w$W"; tail -40 "$OUT/bench_ops_w$W.log" 2>/dev/null; }
   has e2e && { echo "===== bench e2e w$W"; tail -30 "$OUT/bench_e2e_w$W.log" 2>/dev/null; }
+  has train_tests && { echo "===== gpu training tests w$W"; tail -15 "$OUT/gpu_train_tests_w$W.log" 2>/dev/null; }
+  has train && { echo "===== bench train w$W"; tail -25 "$OUT/bench_train_w$W.log" 2>/dev/null; }
 done
 exit 0

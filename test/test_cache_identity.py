@@ -89,6 +89,8 @@ def _other_value(name, value):
         return "default" if value == "calibrated" else "calibrated"
     if isinstance(value, bool):
         return not value
+    if value is None:  # bool | None ("auto"): an explicit value
+        return True
     return value + 1.0
 
 

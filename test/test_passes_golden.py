@@ -443,15 +443,79 @@ graph():
         self.assertIn("tied LM head", rows["reason"])
 
 
+class GoldenTrainingTest(GoldenTest):
+    def test_training_forward_and_backward_staged(self):
+        """NOTE [training: staged windows and step fences]: a bf16 param_dtype training
+        step. The forward's ce_stage refreshes (last arg True) and its gathers read the
+        staging slots, the casts gone; reshard after forward makes the backward gather
+        again, from the same slots (ce_stage read-only, last arg False). (The fake
+        group's DTensor reduces the gradients by a local split.)"""
+        m = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
+        for lin in m:
+            w = lin.weight
+            lin.weight = nn.Parameter(distribute_tensor(w.data, self.mesh, [Shard(0)]))
+            P.register_parametrization(lin, "weight", Gather(torch.bfloat16), unsafe=True)
+        torch_ce.enable(transport="copy_engine")
+        out = torch.compile(m)(torch.randn(4, 8, dtype=torch.bfloat16))
+        out.float().sum().backward()
+        self.assertEqual(len(self.graphs), 2)
+        fw, bw = self.graphs
+        self.assertExpectedInline(fw, """\
+graph():
+    %primals_1 : [num_users=2] = placeholder[target=primals_1]
+    %primals_2 : [num_users=1] = placeholder[target=primals_2]
+    %primals_3 : [num_users=2] = placeholder[target=primals_3]
+    %primals_4 : [num_users=2] = placeholder[target=primals_4]
+    %primals_5 : [num_users=0] = placeholder[target=primals_5]
+    %ce_stage_default : [num_users=2] = call_function[target=torch.ops.magi.ce_stage.default](args = ([%primals_1, %primals_4], [bfloat16, bfloat16], [2, 2], [0, 0], [0.weight, 1.weight], [, ], True), kwargs = {})
+    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%ce_stage_default, 0), kwargs = {})
+    %getitem_1 : [num_users=1] = call_function[target=operator.getitem](args = (%ce_stage_default, 1), kwargs = {})
+    %all_gather_into_tensor : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%getitem, 2, 0), kwargs = {})
+    %wait_tensor : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor,), kwargs = {})
+    %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor, [1, 0]), kwargs = {})
+    %mm : [num_users=2] = call_function[target=torch.ops.aten.mm.default](args = (%primals_3, %permute), kwargs = {})
+    %all_gather_into_tensor_1 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%getitem_1, 2, 0), kwargs = {})
+    %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_1,), kwargs = {})
+    %permute_1 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_1, [1, 0]), kwargs = {})
+    %mm_1 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%mm, %permute_1), kwargs = {})
+    return (mm_1, primals_1, primals_3, primals_4, mm, primals_2)""")
+        self.assertExpectedInline(bw, """\
+graph():
+    %primals_1 : [num_users=0] = placeholder[target=primals_1]
+    %primals_3 : [num_users=1] = placeholder[target=primals_3]
+    %primals_4 : [num_users=1] = placeholder[target=primals_4]
+    %mm : [num_users=1] = placeholder[target=mm]
+    %primals_2 : [num_users=1] = placeholder[target=primals_2]
+    %tangents_1 : [num_users=2] = placeholder[target=tangents_1]
+    %ce_stage_default : [num_users=1] = call_function[target=torch.ops.magi.ce_stage.default](args = ([%primals_4], [bfloat16], [2], [0], [1.weight], [], False), kwargs = {})
+    %getitem_3 : [num_users=1] = call_function[target=operator.getitem](args = (%ce_stage_default, 0), kwargs = {})
+    %permute_2 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%tangents_1, [1, 0]), kwargs = {})
+    %mm_2 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%permute_2, %mm), kwargs = {})
+    %all_gather_into_tensor_1 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%getitem_3, 2, 0), kwargs = {})
+    %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_1,), kwargs = {})
+    %permute_1 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_1, [1, 0]), kwargs = {})
+    %permute_4 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%permute_1, [1, 0]), kwargs = {})
+    %mm_3 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%tangents_1, %permute_4), kwargs = {})
+    %convert_element_type_10 : [num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%mm_2, torch.float32), kwargs = {})
+    %split : [num_users=1] = call_function[target=torch.ops.aten.split.Tensor](args = (%convert_element_type_10, 4), kwargs = {})
+    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%split, 0), kwargs = {})
+    %permute_6 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%mm_3, [1, 0]), kwargs = {})
+    %mm_4 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%permute_6, %primals_3), kwargs = {})
+    %convert_element_type_13 : [num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%mm_4, torch.float32), kwargs = {})
+    %split_1 : [num_users=1] = call_function[target=torch.ops.aten.split.Tensor](args = (%convert_element_type_13, 8), kwargs = {})
+    %getitem_2 : [num_users=1] = call_function[target=operator.getitem](args = (%split_1, 0), kwargs = {})
+    return (getitem_2, primals_2, None, getitem, primals_2)""")
+
+
 def test_graph_with_gradients_stays_on_nccl():
-    """A training graph keeps NCCL (CE is inference-only) and still trains correctly."""
+    """With ``training=False`` a training graph keeps NCCL and still trains correctly."""
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(0)
     lin = nn.Linear(8, 8, bias=False)
     w = nn.Parameter(distribute_tensor(lin.weight.data.clone(), mesh, [Shard(0)]))
     report.clear()
     torch._dynamo.reset()
-    torch_ce.enable(transport="copy_engine")
+    torch_ce.enable(transport="copy_engine", training=False)
     try:
         with torch._inductor.config.patch(fx_graph_cache=False):
             f = torch.compile(lambda x: (x @ w.redistribute(placements=[Replicate()]).to_local().t()).sum())
@@ -464,4 +528,5 @@ def test_graph_with_gradients_stays_on_nccl():
         assert all(not g.bound for g in report.graphs)
     finally:
         torch_ce.disable()
+        torch_ce.config.update(training=True)
         torch._dynamo.reset()

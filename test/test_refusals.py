@@ -174,7 +174,8 @@ def _host_off(rank, ws, mesh):
 
 
 def _training(rank, ws, mesh):
-    """A graph that needs gradients keeps gloo and still trains: grads equal eager grads."""
+    """With ``training=False`` a graph that needs gradients keeps gloo and still trains:
+    grads equal eager grads (training on CE: test_training_host.py)."""
     import torch_ce
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch_ce import report
@@ -193,9 +194,12 @@ def _training(rank, ws, mesh):
     eager.sum().backward()
     n_graphs, n_binds = len(report.graphs), len(report.binds)
     torch._dynamo.reset()
-    torch_ce.enable(transport="copy_engine", symm_min_shard_mib=0)
-    out = torch.compile(f)(x, *ws_c)
-    out.sum().backward()
+    torch_ce.enable(transport="copy_engine", symm_min_shard_mib=0, training=False)
+    try:
+        out = torch.compile(f)(x, *ws_c)
+        out.sum().backward()
+    finally:
+        torch_ce.config.update(training=True)
     recs = report.graphs[n_graphs:]
     return dict(
         reasons=[r["reason"] for g in recs for r in g.refused],

@@ -3,6 +3,7 @@
     torch-ce demo                 the README's main job (GPUs if >= 2, else 2 CPU ranks)
     torch-ce bench ops [...]      CE vs NCCL gather latency / bandwidth / SM contention
     torch-ce bench e2e [...]      compiled SimpleFSDP decoder: NCCL vs CE vs no-comm bound
+    torch-ce bench train [...]    SimpleFSDP training steps: NCCL vs CE gathers (torchtitan's Llama3)
     torch-ce bench plot-scaling   GB/s vs size per (world size, transport) from bench ops JSONs
     torch-ce explain              print what torch_ce did in this process (for scripts)
 
@@ -15,7 +16,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: torch-ce {demo,bench ops,bench e2e,bench plot-scaling} [options]  (torch-ce <cmd> --help)"
+    usage = "usage: torch-ce {demo,bench ops,bench e2e,bench train,bench plot-scaling} [options]  (torch-ce <cmd> --help)"
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
@@ -25,13 +26,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest) or 0
     if cmd == "bench":
-        if not rest or rest[0] not in ("ops", "e2e", "plot-scaling"):
+        if not rest or rest[0] not in ("ops", "e2e", "train", "plot-scaling"):
             print(usage, file=sys.stderr)
             return 2
         if rest[0] == "ops":
             from .bench.ops import main as ops_main
 
             return ops_main(rest[1:]) or 0
+        if rest[0] == "train":
+            from .bench.train import main as train_main
+
+            return train_main(rest[1:]) or 0
         if rest[0] == "plot-scaling":
             from .bench.scaling import main as scaling_main
 

@@ -57,6 +57,15 @@ class Config:
     # Without the C++ gather kernels, CUDA weights stay on NCCL; True gathers them by
     # per-peer copy_ instead (slower than NCCL: for debugging, not for speed).
     cuda_torch_fallback: bool = False
+    # Training graphs (forward and backward) gather on the copy engine too: each weight's
+    # cast (param_dtype) lives in a staging slot of a window, refreshed once per forward
+    # between two step fences (NOTE [training: staged windows and step fences] in
+    # runtime/staging.py). False: graphs that need gradients keep the collective.
+    training: bool = True
+    # Recompute the weight gathers in the backward instead of saving the gathered weights
+    # (FSDP's reshard after forward; passes/reshard.py). None: on with "copy_engine" and
+    # training, off with "nccl" (set it True there too for a like-for-like baseline).
+    reshard_after_forward: bool | None = None
 
     def validate(self) -> "Config":
         if self.transport not in TRANSPORTS:
@@ -74,6 +83,9 @@ class Config:
         for name in ("bind_timeout_s", "bind_arrival_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"torch_ce: {name} must be > 0, got {getattr(self, name)!r}")
+        if self.reshard_after_forward not in (None, True, False):
+            raise ValueError("torch_ce: reshard_after_forward must be True, False or None (auto), "
+                             f"got {self.reshard_after_forward!r}")
         if self.window_cap_mib <= 0:
             raise ValueError(f"torch_ce: window_cap_mib must be > 0, got {self.window_cap_mib!r}")
         if self.comm_overlap_window_scale <= 0:
@@ -84,6 +96,13 @@ class Config:
         return self
 
     # Byte views used by the planner.
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether the joint-graph pass recomputes weight gathers in the backward."""
+        if self.reshard_after_forward is None:
+            return self.transport == "copy_engine" and self.training
+        return self.reshard_after_forward
+
     @property
     def window_cap_bytes(self) -> int:
         return int(self.window_cap_mib * 2**20)
@@ -115,15 +134,21 @@ class Config:
 _ENV_PREFIX = "TORCH_CE_"
 
 
+def _parse_bool(name: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"torch_ce: {name}={raw!r} is not a boolean (use 1/0, true/false)")
+
+
 def _parse(field: dataclasses.Field, raw: str) -> Any:
     name = _ENV_PREFIX + field.name.upper()
     if field.type in ("bool", bool):
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"torch_ce: {name}={raw!r} is not a boolean (use 1/0, true/false)")
+        return _parse_bool(name, raw)
+    if field.type == "bool | None":  # "auto" (or "none"): decided from the other fields
+        return None if raw.strip().lower() in ("auto", "none") else _parse_bool(name, raw)
     if field.type in ("float", float):
         try:
             return float(raw)
@@ -134,7 +159,8 @@ def _parse(field: dataclasses.Field, raw: str) -> Any:
 
 # TORCH_CE_* variables that are not config fields but are known (build and test switches).
 _OTHER_ENV = {"SKIP_CUDA_BUILD", "CUDA_ARCH", "SLOW", "FUZZ_TRIALS", "SLOW_FUZZ_TRIALS", "NATIVE",
-              "GPU_WORLD", "PEER_ORDER", "PEER_CHUNK_MIB"}
+              "GPU_WORLD", "PEER_ORDER", "PEER_CHUNK_MIB",
+              "UNSAFE_NO_STEP_FENCE"}
 
 
 def from_env(environ: dict | None = None) -> Config:

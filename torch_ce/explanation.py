@@ -62,6 +62,9 @@ class WeightRow:
     # included; None when an ids shape is dynamic), and reason: "" when its lookups
     # read rows, else why it is gathered in full. Empty for any other weight.
     rows: dict = dataclasses.field(default_factory=dict)
+    # A training graph's weight: the dtype of the staging slot its gathers read (NOTE
+    # [training: staged windows and step fences] in runtime/staging.py); "" in place.
+    staged: str = ""
 
 
 @dataclasses.dataclass
@@ -104,7 +107,8 @@ class Explanation:
                 if w.status == "refused":
                     out.append(f"  refused  {w.param:<{width}} {w.reason}{many}")
                     continue
-                where = {"bound": f"window {w.window} @ {w.offset}",
+                where = {"bound": f"window {w.window} @ {w.offset}"
+                                  + (f" (staging slot, {w.staged})" if w.staged else ""),
                          "fallback": f"stays on the collective backend: {w.reason}"}.get(w.status, w.status)
                 label = w.status if w.status in ("bound", "fallback") else "planned"
                 over = f"  over {w.mesh_dim}" if w.mesh_dim else ""
@@ -140,7 +144,10 @@ def _rows_text(r: dict) -> str:
 
 def _weights(graphs, binds) -> list[WeightRow]:
     """Per graph and weight: the record's verdict, completed from the run-time registry."""
-    slots = {s.name: s for s in W.bound_slots()}  # the bind step registers the param name
+    slots = {}  # the bind step registers the param name; a staging slot also its dtype
+    for s in W.bound_slots():
+        slots[s.name] = s
+        slots[(s.name, str(s.dtype).removeprefix("torch."))] = s
     skipped = {}
     for b in binds:
         skipped.update(b.skipped)
@@ -151,8 +158,8 @@ def _weights(graphs, binds) -> list[WeightRow]:
             row = WeightRow(g.graph_id, key, b["name"], "not bound yet", b.get("gathers", 1),
                             b["bytes"], str(b.get("group", "")),
                             mesh_dim=report.mesh_dims.get(str(b.get("group", "")), ""),
-                            rows=dict(b.get("rows") or {}))
-            slot = slots.get(key)
+                            rows=dict(b.get("rows") or {}), staged=b.get("staged") or "")
+            slot = slots.get((key, row.staged)) or (slots.get(key) if not row.staged else None)
             if slot is not None:
                 row.status, row.window, row.offset = "bound", slot.window.index, slot.offset
             elif key in skipped:

@@ -31,3 +31,9 @@ def _ce_prefetch_fake(shards, group_size: int, group_name: str) -> None:
 @torch.library.register_fake("magi::ce_gather_rows")
 def _ce_gather_rows_fake(shard: torch.Tensor, ids: torch.Tensor, group_size: int, group_name: str):
     return shard.new_empty((*ids.shape, *shard.shape[1:]))
+
+
+@torch.library.register_fake("magi::ce_stage")
+def _ce_stage_fake(params, dtypes, group_sizes, group_names, names, reasons, refresh):
+    return [p.new_empty(p.shape, dtype=getattr(torch, d))
+            for p, d, why in zip(params, dtypes, reasons) if not why]

@@ -25,7 +25,7 @@ def register_lowerings() -> None:
 
     magi = torch.ops.magi
     for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_bind, magi.ce_prefetch,
-               magi.ce_gather_rows):
+               magi.ce_gather_rows, magi.ce_stage):
         for overload in op.overloads():
             target = getattr(op, overload)
             if target not in lowering.lowerings:

@@ -147,3 +147,31 @@ def tokens(a: dict, T: int, dev, seed: int):
     V = a["vocab"] or MODELS[a["model"]]["vocab"]
     g = torch.Generator(device=dev).manual_seed(seed)
     return torch.randint(0, V, (1, T), device=dev, generator=g)
+
+
+def build_for_training(a: dict, dev, seed: int, mesh, param_dtype=None, reduce_dtype=None):
+    """The zoo model for training: fp32 weights initialised by the zoo's ``init_states``
+    from ``seed`` (the same on every rank), under SimpleFSDP ``fully_shard`` with
+    ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (None: fp32 compute; fp32
+    reduce-scatters), in train mode."""
+    import torch
+    from torchtitan.experiments.graph_trainer import simple_fsdp
+
+    cfg = model_config(a["model"], a["layers"], a.get("dim", 0), a.get("vocab", 0))
+    torch.manual_seed(seed)
+    if dev.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    with torch.device(dev):
+        net = cfg.build()
+        net.init_states(buffer_device=dev)
+    simple_fsdp._wrap_class_cache.clear()  # its wrapper classes close over the first mesh
+    policy = simple_fsdp.MixedPrecisionPolicy(param_dtype=param_dtype,
+                                              reduce_dtype=reduce_dtype or torch.float32)
+    return simple_fsdp.data_parallel(net.train(), mesh, mode="fully_shard", mp_policy=policy)
+
+
+def next_token_loss(logits, tokens):
+    """Cross entropy of ``logits`` (of ``tokens[:, :-1]``) against ``tokens[:, 1:]``, in fp32."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())

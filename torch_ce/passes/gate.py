@@ -4,18 +4,23 @@ Decisions use only facts that are identical on every rank (the graph, its meta v
 AOT metadata, the config), so every rank decides the same and the FX graph cache stays
 valid across ranks. A gather is eligible when:
 
-  * the graph is an inference graph (NOTE [inference only]);
-  * its input is exactly a parameter's local shard: a placeholder, no cast, no pad, no view;
+  * the graph is an inference graph, or a training graph with ``config.training`` (NOTE
+    [training: staged windows and step fences] in runtime/staging.py);
+  * its input is exactly a parameter's local shard: a placeholder, no pad, no view; no cast
+    either in an inference graph (where the shard itself is bound), while a training graph
+    may cast it first (mixed precision: the cast is what its staging slot holds);
   * it is a single even Shard(0) gather: its output is used as is (an uneven Shard(0) is
     sliced after the wait; Shard(1) is re-split; a 2-D placement is gathered again);
   * the shard is contiguous, static-shaped, on a device the transport serves, and at least
     ``symm_min_shard_mib`` large: ``shard_refusal`` (runtime/eligibility.py), the predicate
     the run-time bind applies to the live shard, so the two cannot disagree.
 
-# NOTE [inference only]
-There is no step barrier: a peer reads a weight whenever it gathers. An in-place update on
-one rank could race another rank's read, so graphs that need gradients or mutate weights
-keep NCCL.
+# NOTE [inference graphs bind in place, training graphs stage]
+An inference graph's weights are bound in place (the parameter views its window) and read
+with no step barrier: weights are static. A training graph's weights change every step,
+so peers read a staging slot that holds the weight (or its param_dtype cast), refreshed
+between two fences at the head of each forward (runtime/staging.py); the optimizer never
+writes a window. A graph that mutates its inputs keeps the collective either way.
 """
 from __future__ import annotations
 
@@ -48,6 +53,9 @@ class Seed:
     group_size: int
     group_name: str
     reason: Refusal | None = None  # None: eligible
+    # Training graphs: the gather reads a staging slot of this dtype (the weight's own, or
+    # the param_dtype cast the graph applied before the gather). None: bound in place.
+    stage_dtype: torch.dtype | None = None
     nbytes: int = 0
     # The parameter placeholder the gather input comes from (directly, or through a cast,
     # pad or view): the bind step lists it even when refused, so that every rank agrees
@@ -73,24 +81,37 @@ def _aot_metadata():
         return None
 
 
-_TRAINING = Refusal(Reason.TRAINING_GRAPH, "graph needs gradients (training): CE is inference-only")
+_TRAINING = Refusal(Reason.TRAINING_GRAPH, "graph needs gradients (training) and config.training is off")
 
 
-def graph_reason(graph: fx.Graph, is_inference: bool | None = None) -> Refusal | None:
-    """Why no gather of this graph may use CE (None: an inference graph)."""
-    if is_inference is False:
-        return _TRAINING
+def is_training_graph(graph: fx.Graph, is_inference: bool | None = None) -> bool:
+    """Whether the graph needs gradients (a forward or backward of a training step)."""
+    if is_inference is not None:
+        return not is_inference
     for n in graph.nodes:
         # AOTAutograd names the inputs of training graphs primals_* / tangents_*.
         if n.op == "placeholder" and n.name.startswith(("primals_", "tangents_")):
-            return _TRAINING
+            return True
     md = _aot_metadata()
-    if md is not None:
-        if any(getattr(i, "requires_grad", False) for i in md.input_info):
-            return _TRAINING
-        if any(getattr(i, "mutates_data", False) for i in md.input_info):
-            return Refusal(Reason.MUTATING_GRAPH,
-                           "graph mutates its inputs (weights may change): CE is inference-only")
+    return md is not None and any(getattr(i, "requires_grad", False) for i in md.input_info)
+
+
+def is_backward_graph(graph: fx.Graph) -> bool:
+    return any(n.op == "placeholder" and n.name.startswith("tangents_") for n in graph.nodes)
+
+
+def graph_reason(graph: fx.Graph, is_inference: bool | None = None,
+                 cfg: Config | None = None) -> Refusal | None:
+    """Why no gather of this graph may use CE (None: any may)."""
+    from ..config import config
+
+    cfg = cfg or config
+    if is_training_graph(graph, is_inference) and not cfg.training:
+        return _TRAINING
+    md = _aot_metadata()
+    if md is not None and any(getattr(i, "mutates_data", False) for i in md.input_info):
+        return Refusal(Reason.MUTATING_GRAPH,
+                       "graph mutates its inputs (weights may change under a peer's read)")
     return None
 
 
@@ -172,17 +193,36 @@ def _output_reason(wait: fx.Node | None) -> Refusal | None:
     return None
 
 
+def _stage_cast(x, ph_index) -> fx.Node | None:
+    """``x`` if it is a dtype cast of a weight placeholder used only by this gather (a
+    mixed-precision ``param_dtype`` cast), else None."""
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _CAST_OPS
+            and len(x.users) == 1):
+        return None
+    src = x.args[0]
+    if not (isinstance(src, fx.Node) and src.op == "placeholder" and _is_weight(src, ph_index[src])):
+        return None
+    if x.target is aten._to_copy.default and set(x.kwargs) - {"dtype"}:
+        return None  # a device or layout change too
+    return x
+
+
 def gate(graph: fx.Graph, cfg: Config, is_inference: bool | None = None) -> list[Seed]:
     """Every all_gather_into_tensor of the graph with its verdict, in program order."""
     seeds: list[Seed] = []
-    whole = graph_reason(graph, is_inference)
+    whole = graph_reason(graph, is_inference, cfg)
+    training = whole is None and is_training_graph(graph, is_inference)
     ph_index = _placeholder_index(graph)
     for g in U.find_op_nodes(graph, U.ALL_GATHER):
         x, gs, gname = g.args[0], g.args[1], g.args[2]
         seed = Seed(g, x, U.wait_of(g), int(gs), str(gname))
         val = x.meta.get("val") if isinstance(x, fx.Node) else None
         seed.nbytes = U.nbytes(val) or 0 if val is not None else 0
-        seed.reason = whole or _seed_reason(seed, val, ph_index, cfg)
+        cast = _stage_cast(x, ph_index) if training else None
+        src = cast.args[0] if cast is not None else x
+        seed.reason = whole or _seed_reason(seed, src, val, ph_index, cfg)
+        if training and val is not None:
+            seed.stage_dtype = val.dtype
         root = _chain(x)[1] if isinstance(x, fx.Node) else None
         if (root is not None and root.op == "placeholder" and _is_weight(root, ph_index[root])
                 and not any(U.is_wait(n) for n in _chain(x)[0])):
@@ -191,10 +231,10 @@ def gate(graph: fx.Graph, cfg: Config, is_inference: bool | None = None) -> list
     return seeds
 
 
-def _seed_reason(seed: Seed, val, ph_index, cfg: Config) -> Refusal | None:
+def _seed_reason(seed: Seed, x: fx.Node, val, ph_index, cfg: Config) -> Refusal | None:
     """Graph facts first (what only the graph shows), then the shard facts through the
-    predicate the run-time bind uses too (runtime/eligibility.py)."""
-    x = seed.shard
+    predicate the run-time bind uses too (runtime/eligibility.py). ``x``: the gather input,
+    or the weight a training graph casts before it; ``val``: what is gathered."""
     if x.op != "placeholder":
         return _input_reason(x, ph_index)
     if not _is_weight(x, ph_index[x]):

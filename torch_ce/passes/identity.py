@@ -51,6 +51,7 @@ MODULES = (
     "torch_ce.passes.prefetch",
     "torch_ce.passes.reorder",
     "torch_ce.passes.rewrite",
+    "torch_ce.passes.reshard",
     "torch_ce.passes.rows",
     "torch_ce.inductor_lowering",  # which ops lower how; which nodes count as transfers
     "torch_ce.ops",  # op schemas (mutation, aliasing) shape what Inductor emits

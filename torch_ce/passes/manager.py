@@ -30,6 +30,7 @@ from . import bucket as bucket_mod
 from . import gate as gate_mod, param_names, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
 from . import rows as rows_mod
 from .identity import identity
+from .reshard import ReshardPass
 
 log = logging.getLogger("torch_ce")
 
@@ -47,15 +48,18 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     if not seeds:
         return None
     rec = report.new_graph(config.transport)
-    refused_whole = gate_mod.graph_reason(graph, is_inference)
+    refused_whole = gate_mod.graph_reason(graph, is_inference, config)
     p = plan_mod.plan(seeds, whole_graph_refused=refused_whole is not None)
-    bind_node = rewrite_mod.rewrite(graph, p)
+    # A training forward refreshes its staging slots; its backward only reads them.
+    bind_node = rewrite_mod.rewrite(graph, p, refresh=not gate_mod.is_backward_graph(graph))
     # NOTE [row gathers] in rows.py: the row-gathered weights' gathers leave the graph.
-    row_weights = rows_mod.find(seeds) if config.row_gathers else []
+    # Not in training graphs yet: a row gather would have to read the staging slot.
+    row_weights = rows_mod.find(seeds) if config.row_gathers and not p.staged else []
     gone = rows_mod.rewrite(graph, row_weights)
     kept = [s for s in seeds if id(s) not in gone]
     buckets = [] if refused_whole else bucket_mod.bucket(graph, kept, config)
-    pf_node, pf_what = prefetch_mod.insert_prefetch(graph, buckets, config)
+    # Cross-call prefetch parks gathers for the next call: stale after an optimizer step.
+    pf_node, pf_what = (None, "off") if p.staged else prefetch_mod.insert_prefetch(graph, buckets, config)
     if pf_what != "off":
         rec.prefetch = dict(members=[a.name for a in pf_node.args[0]] if pf_node is not None else [],
                             what=pf_what)
@@ -73,7 +77,8 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
             rw = row_of.get(ok[0].shard)
             rec.bound.append(dict(row, bytes=ok[0].nbytes, group=ok[0].group_name,
                                   refused_gathers=[str(s.reason) for s in ss if not s.eligible],
-                                  rows=rw.account() if rw is not None else None))
+                                  rows=rw.account() if rw is not None else None,
+                                  staged=str(ok[0].stage_dtype).removeprefix("torch.") if p.staged else None))
         else:
             rec.refused.append(dict(row, reason=str(ss[0].reason)))
     for b in buckets:
@@ -88,7 +93,10 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
         "torch_ce: graph %d: %d gather(s) -> copy engine (%.1f MiB, %d bucket(s), bind step %s, "
         "%d weight(s) by rows); %d refused %s; prefetch for the next call: %s",
         rec.graph_id, len(rec.bound), sum(b["bytes"] for b in rec.bound) / 2**20,
-        sum(1 for b in buckets if b.bound), "inserted" if bind_node is not None else "none",
+        sum(1 for b in buckets if b.bound),
+        ("none" if bind_node is None else
+         "inserted" if not p.staged else
+         "staged (refresh + fences)" if bind_node.args[-1] else "staged (read only)"),
         sum(1 for rw in row_weights if rw.reason is None), len(rec.refused), dict(counts) if counts else "", pf_what,
     )
     return rec
@@ -140,8 +148,27 @@ _OFF = [
     ("aten_distributed_optimizations.enable_low_contention_collectives", False),
 ]
 
+class _ChainedJoint(CustomGraphPass):
+    """A joint-graph pass the user had installed, then ours."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.first(graph)
+        self.second(graph)
+
+    def uuid(self) -> Any:
+        u = getattr(self.first, "uuid", None)
+        first = u() if callable(u) else None
+        if first is None:
+            return None
+        return hashlib.sha256((str(first) + str(self.second.uuid())).encode()).hexdigest()
+
+
 _saved: dict[str, Any] | None = None
 _pass = TorchCEPass()
+_reshard = ReshardPass()
 
 
 def _get(cfg, dotted: str):
@@ -177,6 +204,8 @@ def _install(ic) -> dict[str, Any]:
     """
     ce, reorder = config.transport == "copy_engine", config.reorder
     keys = ["post_grad_custom_post_pass"]
+    if config.reshards_after_forward:
+        keys.append("joint_custom_pre_pass")
     if reorder:
         keys += ["reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes",
                  "estimate_op_runtime"]
@@ -190,6 +219,9 @@ def _install(ic) -> dict[str, Any]:
         ic.post_grad_custom_post_pass = type(prev)([*prev, _pass])
     else:
         ic.post_grad_custom_post_pass = _Chained(prev, _pass)
+    if config.reshards_after_forward:  # NOTE [reshard after forward] in reshard.py
+        prev = saved["joint_custom_pre_pass"]
+        ic.joint_custom_pre_pass = _reshard if prev in (None, _MISSING) else _ChainedJoint(prev, _reshard)
     if reorder:
         from .reorder import install as install_reorder
 

@@ -103,6 +103,15 @@ def _dynamo_sources() -> tuple[list[str], frozenset] | None:
         return None
 
 
+def _tracing_context():
+    try:
+        from torch._guards import TracingContext
+
+        return TracingContext.try_get()
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def annotate(graph: fx.Graph) -> None:
     """Record each placeholder's parameter name in its meta (see NOTE above)."""
     found = _dynamo_sources()
@@ -112,6 +121,18 @@ def annotate(graph: fx.Graph) -> None:
     if sources is not None and (not flat or max(flat) + 1 != len(sources)):
         # Not the inputs Dynamo handed over (a graph split by DDPOptimizer, say): no names.
         sources = None
+    # A training step's backward is compiled later, outside the Dynamo frame, but under the
+    # forward's tracing context and with the forward's placeholder names (primals_N): the
+    # names found for the forward are kept on that context for it.
+    tc = _tracing_context()
+    known = getattr(tc, "_torch_ce_param_names", None) if tc is not None else None
+    if known is None:
+        known = {}
+        if tc is not None:
+            try:
+                tc._torch_ce_param_names = known
+            except Exception:  # noqa: BLE001 (a context that takes no attributes: no names)
+                pass
     for n in graph.nodes:
         if n.op != "placeholder" or _META_KEY in n.meta:
             continue
@@ -120,6 +141,10 @@ def annotate(graph: fx.Graph) -> None:
         idx = _flat_input_index(desc)
         if sources is not None and idx is not None and 0 <= idx < len(sources) and sources[idx]:
             name = fqn_from_source(sources[idx], roots)
+            if name is not None:
+                known[n.name] = name
+        elif sources is None:
+            name = known.get(n.name)
         if name is None:
             base = desc
             while base is not None and hasattr(base, "base"):

@@ -19,27 +19,32 @@ class PlannedShard:
     group_size: int
     group_name: str
     reason: str = ""  # "" : eligible; else why this rank keeps its gathers on NCCL
+    dtype: str = ""  # training graphs: the staging slot's dtype ("bfloat16"); "": in place
 
 
 @dataclasses.dataclass
 class Plan:
     seeds: list[Seed]  # eligible gathers, program order
     shards: list[PlannedShard]  # every candidate weight, program order of first gather
+    staged: bool = False  # a training graph: the weights are staged, not bound in place
 
 
 def plan(seeds: list[Seed], whole_graph_refused: bool = False) -> Plan:
     """Candidates for the bind step: every weight a gather reads, eligible or not (a weight
     with one eligible gather is eligible)."""
-    shards: dict[fx.Node, PlannedShard] = {}
+    shards: dict[tuple, PlannedShard] = {}
+    staged = any(s.stage_dtype is not None for s in seeds)
     if not whole_graph_refused:
         for s in seeds:
             if s.weight is None:
                 continue
-            ps = shards.get(s.weight)
+            # A training graph could gather one weight in two dtypes: one slot per dtype.
+            dtype = str(s.stage_dtype).removeprefix("torch.") if staged else ""
+            ps = shards.get((s.weight, dtype))
             if ps is None:
                 # str(): the graph may carry only plain, rank-independent constants.
-                shards[s.weight] = PlannedShard(s.weight, s.group_size, s.group_name,
-                                                str(s.reason) if s.reason else "")
+                shards[(s.weight, dtype)] = PlannedShard(
+                    s.weight, s.group_size, s.group_name, str(s.reason) if s.reason else "", dtype)
             elif s.eligible:
                 ps.reason = ""
-    return Plan([s for s in seeds if s.eligible], list(shards.values()))
+    return Plan([s for s in seeds if s.eligible], list(shards.values()), staged)

@@ -19,9 +19,24 @@ read of them after it (NOTE [run-time bind] in bind_step.py). Only rank-independ
 constants go into the graph: cached code is shared across ranks. The bind step also lists
 weights whose gathers this rank refused (with the reason), so every rank of the group
 agrees over the same candidates even when a refusal is rank-dependent.
+
+A training graph (NOTE [training: staged windows and step fences] in runtime/staging.py)
+gets ``magi.ce_stage`` instead, whose outputs are the staging slots the gathers read::
+
+    %w : placeholder                                   (an fp32 shard)
+    %st : magi.ce_stage([%w], ['bfloat16'], [2], ['0'], ['w'], [''], True)
+    %s0 : getitem(%st, 0)                              (its bf16 staging slot)
+    %ag : magi.ce_all_gather(%s0, 2, '0')              (was: all_gather(convert(%w, bf16)))
+
+The last argument says whether this graph refreshes the slots (a forward: fence, copy,
+fence) or only reads them (a backward: its forward refreshed them this step). The cast
+before the gather goes: the stage step casts.
 """
 from __future__ import annotations
 
+import operator
+
+import torch
 import torch.fx as fx
 
 from . import fx_utils as U
@@ -29,8 +44,10 @@ from .param_names import param_name
 from .plan import Plan
 
 
-def rewrite(graph: fx.Graph, p: Plan) -> fx.Node | None:
-    """Retarget the planned gathers and insert the bind step; returns the bind node."""
+def rewrite(graph: fx.Graph, p: Plan, refresh: bool = True) -> fx.Node | None:
+    """Retarget the planned gathers and insert the bind (or stage) step; returns it."""
+    if p.staged:
+        return _rewrite_staged(graph, p, refresh)
     for s in p.seeds:
         s.gather.target = U.magi.ce_all_gather.default
     if not p.shards:
@@ -49,3 +66,51 @@ def rewrite(graph: fx.Graph, p: Plan) -> fx.Node | None:
         )
     bind.meta["val"] = None
     return bind
+
+
+def _rewrite_staged(graph: fx.Graph, p: Plan, refresh: bool) -> fx.Node | None:
+    if not p.shards:
+        return None
+    anchor = U.last_placeholder(graph)
+    with graph.inserting_after(anchor):
+        stage = graph.call_function(
+            U.magi.ce_stage.default,
+            (
+                [ps.node for ps in p.shards],
+                [ps.dtype for ps in p.shards],
+                [ps.group_size for ps in p.shards],
+                [ps.group_name for ps in p.shards],
+                [param_name(ps.node) for ps in p.shards],  # NOTE [parameter names]
+                [ps.reason for ps in p.shards],
+                refresh,
+            ),
+        )
+    # One output per shard the compile side found eligible (the others are listed only so
+    # that every rank agrees over the same candidates).
+    slots: dict[tuple, fx.Node] = {}
+    vals = []
+    prev = stage
+    for ps in p.shards:
+        if ps.reason:
+            continue
+        w = ps.node.meta["val"]
+        val = w.new_empty(w.shape, dtype=getattr(torch, ps.dtype))
+        with graph.inserting_after(prev):
+            item = graph.call_function(operator.getitem, (stage, len(vals)))
+        item.meta["val"] = val
+        vals.append(val)
+        slots[(ps.node, ps.dtype)] = item
+        prev = item
+    stage.meta["val"] = vals
+    for s in p.seeds:
+        key = (s.weight, str(s.stage_dtype).removeprefix("torch."))
+        slot = slots.get(key)
+        if slot is None:  # cannot happen: an eligible seed's weight is an eligible shard
+            continue
+        old = s.gather.args[0]
+        s.gather.target = U.magi.ce_all_gather.default
+        s.gather.args = (slot, *s.gather.args[1:])
+        s.shard = slot
+        if isinstance(old, fx.Node) and old.op == "call_function" and not old.users:
+            graph.erase_node(old)  # the cast: the stage step casts
+    return stage

@@ -125,7 +125,8 @@ def descriptor(c) -> list:
     text = str(c.reason) if c.reason is not None else ""
     if t is None:
         return [ranks, None, None, None, code or 99, text or "ineligible"]
-    return [ranks, list(t.shape), str(t.dtype), t.device.type, code, text]
+    dtype = getattr(c, "stage_dtype", None) or t.dtype  # a staging slot's dtype (training)
+    return [ranks, list(t.shape), str(dtype), t.device.type, code, text]
 
 
 def agree(cands: list, mine: list, everyone: dict[int, list]) -> list:

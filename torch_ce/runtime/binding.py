@@ -47,6 +47,17 @@ class Candidate:
     tensor: torch.Tensor | None  # the local shard (what moves)
     group: Any  # ProcessGroup or None
     reason: Refusal | None = None  # why it cannot bind (None: locally eligible)
+    # Staged (training graphs, runtime/staging.py): the window holds a copy of the weight
+    # cast to this dtype, refreshed each step; the weight itself stays where it is.
+    stage_dtype: torch.dtype | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.stage_dtype or self.tensor.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.dtype.itemsize
 
 
 @dataclasses.dataclass
@@ -72,13 +83,27 @@ class BindResult:
 # ---------------------------------------------------------------------------------------
 
 
-def local_reason(t: torch.Tensor, group, min_shard_bytes: int | None = None) -> Refusal | None:
+def local_reason(t: torch.Tensor, group, min_shard_bytes: int | None = None,
+                 stage_dtype: torch.dtype | None = None) -> Refusal | None:
     """Why this rank cannot bind ``t`` into a window of ``group`` (None: it can): the
-    gate's predicate (eligibility.shard_refusal) on the live shard, plus the kernels."""
+    gate's predicate (eligibility.shard_refusal) on the live shard, plus the kernels.
+    ``stage_dtype``: a staging slot of that dtype (training), not ``t`` itself."""
     if group is None:
         return refusal(Reason.NO_GROUP, "no process group (plain tensors need group=...)")
+    if stage_dtype is None and W.is_staged(t):
+        return refusal(Reason.TRAINED_WEIGHT,
+                       "a training graph stages this weight (it changes every step): an "
+                       "inference graph cannot read it in place")
+    if stage_dtype is not None and isinstance(W.lookup(t), W.Slot):
+        raise RuntimeError(
+            f"torch_ce: weight {tuple(t.shape)} {t.dtype} was bound in place by an inference "
+            "graph (weights static from then on), and a training graph now gathers it: an "
+            "optimizer step would write the window while peers read it. Run the training "
+            "graphs before compiling inference graphs on the same weights, or keep inference "
+            "on the collective (torch_ce.enable(training=...) / transport='nccl').")
+    itemsize = (stage_dtype or t.dtype).itemsize
     return shard_refusal(
-        device_type=t.device.type, nbytes=t.numel() * t.element_size(), numel=t.numel(),
+        device_type=t.device.type, nbytes=t.numel() * itemsize, numel=t.numel(),
         dim=t.dim(), contiguous=t.is_contiguous(), group_size=dist.get_world_size(group),
         cfg=config, min_shard_bytes=min_shard_bytes, kernel_refusal=native.kernel_refusal)
 
@@ -141,8 +166,11 @@ def _transport(device: torch.device):
 
 def _mark_fallback(c: Candidate, why: Refusal) -> None:
     if c.tensor is not None and c.group is not None and c.tensor.numel():
-        W.register(c.tensor, W.Fallback(str(why), c.group.group_name, weakref.ref(c.tensor),
-                                        int(why.code)))
+        fb = W.Fallback(str(why), c.group.group_name, weakref.ref(c.tensor), int(why.code))
+        if c.stage_dtype is not None:
+            W.register_staged(c.tensor, c.stage_dtype, fb)
+        else:
+            W.register(c.tensor, fb)
 
 
 def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
@@ -160,7 +188,13 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
     world_ranks = W.group_ranks_of(dist.group.WORLD)
     units: dict[tuple, tuple[Any, list[Candidate]]] = {}
     for c in cands:
-        entry = W.lookup(c.tensor) if c.tensor is not None else None
+        if c.tensor is None:
+            entry = None
+        elif c.stage_dtype is not None:
+            hit = W.staged(c.tensor, c.stage_dtype)
+            entry = hit[0] if hit is not None else None
+        else:
+            entry = W.lookup(c.tensor)
         if isinstance(entry, W.Slot):
             res.already_bound.append(c.name)
         elif isinstance(entry, W.Fallback):
@@ -271,11 +305,11 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
         # 2. layout: one rule (windows.place), compared across ranks
         by_pool: dict[tuple, list[Candidate]] = {}
         for c in chosen:
-            key = W.pool_key(W.group_ranks_of(c.group), c.tensor.dtype, c.tensor.device)
+            key = W.pool_key(W.group_ranks_of(c.group), c.dtype, c.tensor.device)
             by_pool.setdefault(key, []).append(c)
         for key, members in by_pool.items():
             pool = W.get_pool(key)
-            sizes = [m.tensor.numel() * m.tensor.element_size() for m in members]
+            sizes = [m.nbytes for m in members]
             plans.append(_PoolPlan(key, pool, members, W.place(pool.state(), sizes, config.window_cap_bytes)))
         W.check_window_limit(sum(len(p.layout.new_windows) for p in plans))
         layout = json.loads(json.dumps([[p.key, p.pool.state(), p.layout.digest()] for p in plans]))
@@ -294,7 +328,7 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
             p.new = _open_windows(p, rnd, f"{i}", job)
         # 4. move
         slots = _slots(plans)
-        _move_into_slots(slots, moved)
+        views = _move_into_slots(slots, moved)
         if any(s.window.device.type == "cuda" for _, s in slots):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # the shards' old blocks go back: no weight held twice
@@ -314,7 +348,10 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
     for c, slot in slots:
         slot.window.used = max(slot.window.used, slot.offset + W.align_up(slot.nbytes))
         _transport(slot.window.device).publish_slot(slot)
-        W.register(c.tensor, slot)
+        if c.stage_dtype is not None:
+            W.register_staged(c.tensor, c.stage_dtype, slot, views[id(c)])
+        else:
+            W.register(c.tensor, slot)
         res.bound.append(c.name)
         res.bytes_bound += slot.nbytes
     if config.cost_mode == "calibrated":
@@ -338,21 +375,24 @@ def _slots(plans: list[_PoolPlan]) -> list[tuple[Candidate, W.Slot]]:
     for p in plans:
         windows = p.pool.windows + p.new
         for m, (wi, off) in zip(p.members, p.layout.places):
-            t = m.tensor
-            out.append((m, W.Slot(windows[wi], off, t.numel() * t.element_size(), tuple(t.shape),
-                                  t.dtype, m.name)))
+            out.append((m, W.Slot(windows[wi], off, m.nbytes, tuple(m.tensor.shape), m.dtype, m.name)))
     return out
 
 
-def _move_into_slots(slots: list[tuple[Candidate, W.Slot]], moved: list) -> None:
+def _move_into_slots(slots: list[tuple[Candidate, W.Slot]], moved: list) -> dict[int, torch.Tensor]:
     """Copy each shard into its slot and re-point it there; ``moved`` records what moved
-    (with the slot view) so a failure can put it back."""
+    (with the slot view) so a failure can put it back. A staged candidate is only copied
+    (cast) into its slot: the weight stays where it is. Returns the views by id(candidate)."""
+    views = {}
     with torch.no_grad():
         for c, slot in slots:
             view = _transport(slot.window.device).slot_local_view(slot)
             view.copy_(c.tensor)
-            c.tensor.data = view
-            moved.append((c, view))
+            views[id(c)] = view
+            if c.stage_dtype is None:
+                c.tensor.data = view
+                moved.append((c, view))
+    return views
 
 
 def _roll_back(moved: list[tuple[Candidate, torch.Tensor]]) -> None:

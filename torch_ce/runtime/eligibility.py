@@ -52,6 +52,7 @@ class Reason(enum.IntEnum):
     NO_GROUP = 41
     GROUP_SIZE_MISMATCH = 42
     FAKE_GROUP = 43
+    TRAINED_WEIGHT = 44  # an inference graph's weight that a training graph stages
     # Agreement (bind only).
     DISAGREEMENT = 50
     PEER_REFUSED = 51

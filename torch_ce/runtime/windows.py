@@ -296,6 +296,39 @@ def registered_probe(t: torch.Tensor, slot: Slot):
                 native.unregister(key)
 
 
+# Training graphs' staging slots (NOTE [training: staged windows and step fences] in
+# staging.py), keyed by (weight address, staging dtype): (weakref to the weight, its Slot
+# or Fallback, the slot's local view or None). The slot's view is registered above too, so
+# the gathers find it like any bound shard.
+_staged: dict[tuple[int, torch.dtype], tuple[Any, Slot | Fallback, torch.Tensor | None]] = {}
+
+
+def staged(t: torch.Tensor, dtype: torch.dtype) -> tuple[Slot | Fallback, torch.Tensor | None] | None:
+    """The staging entry of weight ``t`` in ``dtype`` ((Slot, view) or (Fallback, None))."""
+    hit = _staged.get((t.data_ptr(), dtype))
+    if hit is None:
+        return None
+    ref, entry, view = hit
+    live = ref()
+    if live is None or live.data_ptr() != t.data_ptr() or tuple(live.shape) != tuple(t.shape):
+        return None  # the weight was freed (or replaced) and its address reused
+    return entry, view
+
+
+def is_staged(t: torch.Tensor) -> bool:
+    """Whether some training graph stages ``t`` (a trained weight)."""
+    return any(staged(t, d) is not None for (ptr, d) in list(_staged) if ptr == t.data_ptr())
+
+
+def register_staged(t: torch.Tensor, dtype: torch.dtype, entry: Slot | Fallback,
+                    view: torch.Tensor | None = None) -> None:
+    """Record weight ``t``'s staging slot (and register the slot's view as bound)."""
+    with _lock:
+        if view is not None:
+            register(view, entry)
+        _staged[(t.data_ptr(), dtype)] = (weakref.ref(t), entry, view)
+
+
 def bound_slots() -> list[Slot]:
     return [e for e in _registry.values() if isinstance(e, Slot)]
 
@@ -345,6 +378,7 @@ def release_all() -> None:
                     _retire(w, by_window[id(w)])
         _pools.clear()
         _registry.clear()
+        _staged.clear()
 
 
 def group_ranks_of(group) -> tuple:

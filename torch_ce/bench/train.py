@@ -1,0 +1,196 @@
+"""``torch-ce bench train``: SimpleFSDP training steps, NCCL vs copy-engine weight gathers.
+
+torchtitan's own architecture (``--model llama3_8b``: the zoo's layers, GQA, the
+full-vocabulary embedding and LM head; zoo.py says how it is isolated from the zoo's
+training imports), the first ``--layers`` blocks, fp32 weights under SimpleFSDP
+``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=--param-dtype, reduce_dtype=--reduce-dtype)``,
+AdamW (foreach), next-token cross entropy on ``--tokens`` random tokens per rank (batch 1),
+compiled with plain ``torch.compile``. Two variants, each a fresh compile of a fresh model
+built from the same seed, both with FSDP's reshard after forward (the backward gathers each
+weight again; NOTE [reshard after forward] in passes/reshard.py):
+
+  nccl   torch_ce.enable(transport="nccl", reshard_after_forward=True)
+  ce     torch_ce.enable(transport="copy_engine")   forward and backward gathers on the
+         copy engines, staged slots refreshed between two step fences (runtime/staging.py)
+
+Reduce-scatters stay on NCCL in both. Reports ms per training step (median of per-step
+CUDA events around forward + backward + optimizer step), CE/NCCL, every step's loss (they
+must be identical: a gather is exact), peak allocated memory per variant, and the staging
+memory (windows reserved and filled) against the statement (one slot per gathered weight in
+param_dtype: the local shards' numel x its size). Writes
+``<out>/train_<model>_<gpu>_w<world>.json`` and ``.png`` (step times, losses).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from . import common as C
+from . import ranks as R
+from .e2e_variant import cleanup, fresh_caches
+from .zoo import MODELS
+
+VARIANTS = ("nccl", "ce")
+TARGET = 0.90  # CE/NCCL step time (issue 18)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="torch-ce bench train",
+                                description="SimpleFSDP training steps: NCCL vs copy-engine weight gathers. "
+                                            f"Target: CE/NCCL step time <= {TARGET}")
+    p.add_argument("--model", choices=tuple(MODELS), default="llama3_8b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=0, help="model width (default: the flavour's)")
+    p.add_argument("--vocab", type=int, default=0, help="vocabulary (default: the flavour's)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank per step (batch 1)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per variant (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--reduce-dtype", choices=("bf16", "fp32"), default="fp32",
+                   help="gradient reduce-scatter dtype (default fp32, torchtitan's default)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    C.add_common_args(p, timeout_s=580)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    a.out = os.path.abspath(a.out)
+    print(f"torch-ce bench train: {a.model}, {a.layers} layers, {a.tokens} tokens, param_dtype "
+          f"{a.param_dtype}, reduce_dtype {a.reduce_dtype}, {a.steps} steps, out {a.out}", flush=True)
+    return R.launch("torch-ce bench train", _worker, a)
+
+
+def _staging_statement(model, dtype) -> int:
+    """Bytes the staging slots should take: every gathered weight's local shard in
+    param_dtype, each slot 512-byte aligned (NOTE [training: staged windows ...])."""
+    from ..runtime import windows as W
+
+    return sum(W.align_up(p._local_tensor.numel() * dtype.itemsize) for p in model.parameters())
+
+
+def _windows_bytes() -> tuple[int, int]:
+    from ..runtime import windows as W
+
+    ws = [w for pool in W.pools().values() for w in pool.windows]
+    return sum(w.nbytes for w in ws), sum(w.used for w in ws)
+
+
+def _run(name: str, a: dict, dev, mesh, tokens):
+    import torch
+
+    import torch_ce
+    from . import zoo
+
+    torch._dynamo.reset()
+    pd = torch.bfloat16 if a["param_dtype"] == "bf16" else None
+    rd = torch.bfloat16 if a["reduce_dtype"] == "bf16" else torch.float32
+    model = zoo.build_for_training(a, dev, a["seed"], mesh, pd, rd)
+    opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], foreach=True)
+    if name == "nccl":
+        torch_ce.enable(transport="nccl", reshard_after_forward=True)
+    else:
+        torch_ce.enable(transport="copy_engine")
+    compiled = torch.compile(model)
+    if R.is_cuda():
+        torch.cuda.reset_peak_memory_stats(dev)
+    losses, times = [], []
+    t0 = time.monotonic()
+    for i in range(a["warmup"] + a["steps"]):
+        x = tokens[i % len(tokens)]
+        start = torch.cuda.Event(enable_timing=True) if R.is_cuda() else None
+        end = torch.cuda.Event(enable_timing=True) if R.is_cuda() else None
+        t = time.perf_counter()
+        if start is not None:
+            start.record()
+        loss = zoo.next_token_loss(compiled(x[:, :-1]), x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if end is not None:
+            end.record()
+        value = loss.item()  # syncs
+        ms = start.elapsed_time(end) if start is not None else (time.perf_counter() - t) * 1e3
+        if i == 0:
+            C.log(f"{name}: first step (compile) {time.monotonic() - t0:.0f} s")
+        if i >= a["warmup"]:
+            times.append(ms)
+            losses.append(value)
+    out = dict(ms=statistics.median(times), ms_all=[round(t, 3) for t in times], losses=losses)
+    if R.is_cuda():
+        out["peak_alloc_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    if name == "ce":
+        reserved, used = _windows_bytes()
+        out.update(windows_reserved=reserved, windows_used=used,
+                   staging_statement=_staging_statement(model, pd or torch.float32),
+                   explain=torch_ce.explain().table().splitlines()[:6])
+    cleanup(torch, torch_ce)
+    del model, opt, compiled
+    return out
+
+
+def _worker(rank: int, world: int, a: dict) -> None:
+    import warnings
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated.*")
+    fresh_caches(rank)
+    dev = R.device()
+    mesh = init_device_mesh(dev.type, (world,))
+    V = a["vocab"] or MODELS[a["model"]]["vocab"]
+    g = torch.Generator(device=dev).manual_seed(a["seed"] + 1000 + rank)  # data differs per rank
+    tokens = [torch.randint(0, V, (1, a["tokens"] + 1), device=dev, generator=g) for _ in range(4)]
+    res = {}
+    for name in VARIANTS:
+        res[name] = _run(name, a, dev, mesh, tokens)
+        C.log(f"{name}: {res[name]['ms']:.2f} ms/step")
+    everyone = R.exchange(res, R.status_group())
+    if rank != 0:
+        return
+    ratio = [r["ce"]["ms"] / r["nccl"]["ms"] for r in everyone]
+    same = [r["ce"]["losses"] == r["nccl"]["losses"] for r in everyone]
+    ce0 = everyone[0]["ce"]
+    payload = dict(args=a, world=world, per_rank=everyone,
+                   ce_over_nccl=max(ratio), losses_identical=all(same),
+                   targets=[C.target("CE/NCCL training step time", max(ratio), "<=", TARGET)])
+    tag = C.gpu_tag()
+    suffix = "" if (a["tokens"], a["param_dtype"], a["reduce_dtype"]) == (2048, "bf16", "fp32") else \
+        f"_{a['tokens']}_{a['param_dtype']}_{a['reduce_dtype']}"
+    path = os.path.join(a["out"], f"train_{a['model']}{suffix}_{tag}_w{world}.json")
+    C.write_json(path, payload, C.env_info(world))
+    C.save_png(path[:-5] + ".png", lambda plt: _draw(plt, everyone, a))
+    rows = [[name, f"{everyone[0][name]['ms']:.2f}", f"{everyone[0][name].get('peak_alloc_gib', 0):.2f}"]
+            for name in VARIANTS]
+    print(C.format_table(["variant", "ms/step (rank 0)", "peak alloc GiB"], rows), flush=True)
+    print(f"CE/NCCL (worst rank): {max(ratio):.3f}; losses identical on every rank over "
+          f"{a['steps']} steps: {all(same)}", flush=True)
+    print(f"staging: statement {ce0['staging_statement'] / 2**20:.1f} MiB, windows filled "
+          f"{ce0['windows_used'] / 2**20:.1f} MiB, reserved {ce0['windows_reserved'] / 2**20:.1f} MiB; "
+          f"peak allocated CE - NCCL {(ce0.get('peak_alloc_gib', 0) - everyone[0]['nccl'].get('peak_alloc_gib', 0)) * 1024:.1f} MiB "
+          "(windows are outside the caching allocator)", flush=True)
+    for t in payload["targets"]:
+        print(C.format_target(t), flush=True)
+    print(f"wrote {path}", flush=True)
+
+
+def _draw(plt, everyone, a):
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    r0 = everyone[0]
+    names = list(VARIANTS)
+    ax1.bar(names, [r0[n]["ms"] for n in names], color=["#888888", "#2a7ab9"])
+    for i, n in enumerate(names):
+        ax1.text(i, r0[n]["ms"], f"{r0[n]['ms']:.1f} ms", ha="center", va="bottom")
+    ax1.set_ylabel("ms per training step (median, rank 0)")
+    ax1.set_title(f"{a['model']} {a['layers']} layers, {a['tokens']} tokens, {a['param_dtype']}")
+    for n, style in zip(names, ("-", "--")):
+        ax2.plot(r0[n]["losses"], style, label=n)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("loss (rank 0)")
+    ax2.set_title("losses (must coincide)")
+    ax2.legend()
+    return fig

@@ -1,0 +1,150 @@
+"""The run-time stage step of training graphs: what ``magi::ce_stage`` does.
+
+# NOTE [training: staged windows and step fences]
+In a training step a weight changes (the optimizer writes each rank's shard in place) and
+may be read in a compute dtype (mixed precision casts each shard before it is gathered).
+Peers read one-sidedly, whenever they gather, so two hazards exist for a window that holds
+a weight: a peer reads it before its owner's optimizer has written this step's values
+(read after write), or an owner overwrites it while a peer still reads it for the last
+step's backward (write after read).
+
+So a training graph never binds the weight itself. Each gathered weight gets a *staging
+slot* in a window, in the dtype the graph gathers (the weight's own, or the
+``param_dtype`` cast), and the gathers read the slots. Only this step writes a slot, at
+the head of each training forward, in one pass between two fences over the slot's group:
+
+    fence 1   every rank has finished every read of the slots it issued before this
+              forward (the last backward's gathers, an earlier forward's);
+    refresh   each slot <- its weight (cast), on the current stream;
+    fence 2   every rank has refreshed: this step's values are in every slot.
+
+A backward graph's stage step only returns the slots (its forward refreshed them this
+step). Why that suffices, whatever the ranks' relative speeds:
+- Read after write: a peer reads slot s in step t only after its fence 2 of step t, which
+  completes only after every owner's refresh of step t, which runs after the owner's own
+  optimizer step t-1 in program order (the forward of step t starts after it). An
+  optimizer step inside backward hooks, gradient accumulation (several forwards per
+  optimizer step: each refreshes, the values are the same) and frozen weights change
+  nothing: the optimizer never writes a slot, and the refresh reads the weight after
+  whatever wrote it on this rank.
+- Write after read: an owner overwrites slot s only after its fence 1 of step t, which
+  completes only after every peer reached its forward of step t, i.e. after every read
+  the peer issued in step t-1 (all of them precede that forward in program order).
+- On CUDA each fence is a one-element all_reduce on the current stream (NCCL's stream
+  waits for it, and the current stream waits for NCCL). Every CE gather's output is
+  waited on by the consumer's stream (``wait_tensor``), so a rank's fence is ordered after
+  the copies it issued; the refresh is ordered after fence 1 and before fence 2 on the
+  same stream. No host sync. On CPU (host transport) reads are synchronous memcpys and the
+  fence is a gloo all_reduce.
+Inference graphs keep binding in place with no fences (their weights are static). A
+weight that a training graph stages is refused in place by later inference binds
+(``Reason.TRAINED_WEIGHT``); a weight already bound in place cannot be staged (an error:
+the optimizer would write a window peers read without a fence).
+
+Cost: two tiny all_reduces per training forward per group, one device copy of the shard
+bytes (in param_dtype), and the staging memory: one slot per gathered weight and dtype,
+i.e. the local shard's numel x param_dtype's size (+50% of fp32 sharded parameters with
+bf16 param_dtype, +100% without mixed precision), plus the windows' growth slack
+(NOTE [windows that pool]).
+
+``TORCH_CE_UNSAFE_NO_STEP_FENCE=1`` skips both fences. It exists for the test that shows
+the fences are needed (a delayed rank then reads stale weights); never use it otherwise.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from . import windows as W
+
+log = logging.getLogger("torch_ce")
+
+# One-element fence tensors, per device.
+_flags: dict = {}
+W.on_release(_flags.clear)
+
+
+def fences_disabled() -> bool:
+    return os.environ.get("TORCH_CE_UNSAFE_NO_STEP_FENCE", "") == "1"
+
+
+def fence(groups: list) -> None:
+    """Every rank of each group has reached this point in stream order (a one-element
+    all_reduce on the current stream; host-blocking only on gloo)."""
+    if fences_disabled():
+        return
+    for pg, device in groups:
+        flag = _flags.get(device)
+        if flag is None:
+            flag = _flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        dist.all_reduce(flag, group=pg)
+
+
+def _bind_new(params, dtypes, group_sizes, group_names, names, reasons) -> None:
+    """One bind round for the weights that have no staging entry yet (agreed by every rank)."""
+    from .. import report
+    from .binding import Candidate, bind_candidates, local_reason
+    from .eligibility import Reason, refusal
+
+    resolve = torch._C._distributed_c10d._resolve_process_group
+    cands = []
+    for p, d, gs, gname, name, why in zip(params, dtypes, group_sizes, group_names, names, reasons):
+        try:
+            pg = resolve(gname)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"torch_ce: the stage step of a compiled training graph needs process group "
+                f"{gname!r} (for {name}), which is not a live group on this rank") from e
+        reason = refusal(Reason.OTHER, why) if why else local_reason(p, pg, stage_dtype=d)
+        if reason is None and pg.size() != gs:
+            reason = refusal(Reason.GROUP_SIZE_MISMATCH, f"group size {pg.size()} != gather group size {gs}")
+        cands.append(Candidate(name, p, pg, reason, stage_dtype=d))
+    report.record_bind(bind_candidates(cands))
+
+
+def _fence_groups(entries) -> list:
+    """(group, device) of every slot, once each, in one order on every rank."""
+    seen = {}
+    for e in entries:
+        if e is not None and isinstance(e[0], W.Slot):
+            w = e[0].window
+            seen.setdefault((w.group_ranks, str(w.device)), (w.group, w.device))
+    return [seen[k] for k in sorted(seen)]
+
+
+def run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, refresh) -> list[torch.Tensor]:
+    """The staging slots the graph's gathers read, one per eligible entry (``reasons[i] ==
+    ""``), refreshed between two fences when ``refresh`` (a training forward)."""
+    dts = [getattr(torch, d) for d in dtypes]
+    entries = [W.staged(p, d) for p, d in zip(params, dts)]
+    if any(e is None for e in entries):
+        # First run (or a weight replaced since): bind; the bind's last exchange publishes
+        # the copies it made, so a backward that binds needs no fence of its own.
+        _bind_new(params, dts, group_sizes, group_names, names, reasons)
+        entries = [W.staged(p, d) for p, d in zip(params, dts)]
+    if refresh:
+        groups = _fence_groups(entries)
+        with torch.no_grad():
+            fence(groups)  # fence 1: no peer still reads last step's values
+            pairs = [(e[1], p) for p, e in zip(params, entries) if e is not None and isinstance(e[0], W.Slot)]
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [p for _, p in pairs])  # casts too
+            fence(groups)  # fence 2: every slot holds this step's values
+    outs = []
+    for p, d, e, why in zip(params, dts, entries, reasons):
+        if why:
+            continue
+        if e is not None and isinstance(e[0], W.Slot):
+            outs.append(e[1])
+            continue
+        # Refused at run time (identically on every rank: agreed): a plain cast, gathered
+        # by the collective (ops.gather sees the Fallback).
+        fb = e[0] if e is not None else W.Fallback("not staged", group_names[0])
+        t = p.detach().to(d, copy=True)
+        W.register(t, W.Fallback(fb.reason, fb.group_name, weakref.ref(t), fb.code))
+        outs.append(t)
+    return outs
