@@ -76,6 +76,8 @@ def _train(transport, build, batches, rank, *, delay=0.0, accum=1, hooks=False, 
                 else:
                     loss = fwd_bwd()
                 total += loss.item()
+                if transport == "copy_engine" and not hooks:
+                    _check_slots(model)
             if delay and rank == 1:
                 time.sleep(delay)  # before its optimizer step: its peer reads on
             if opt is not None:
@@ -85,6 +87,19 @@ def _train(transport, build, batches, rank, *, delay=0.0, accum=1, hooks=False, 
         return losses, code, compiled
     finally:
         torch_ce.disable()
+
+
+def _check_slots(model) -> None:
+    """After a forward and backward, every staging slot holds its weight's cast exactly
+    (nothing but the stage step wrote it: NOTE [staging slots are not Inductor's buffers])."""
+    from torch_ce.runtime import windows as W
+
+    for name, p in model.named_parameters():
+        t = p._local_tensor
+        hits = [W.staged(t, d) for d in (torch.bfloat16, torch.float32)]
+        for d, hit in zip((torch.bfloat16, torch.float32), hits):
+            if hit is not None and isinstance(hit[0], W.Slot):
+                assert torch.equal(hit[1], t.detach().to(d)), f"staging slot of {name} ({d}) was overwritten"
 
 
 # ---------------------------------------------------------------------------------------
