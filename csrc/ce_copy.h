@@ -118,11 +118,15 @@ inline bool batch_supported() {
 
 // Every copy in one cudaMemcpyBatchAsync: one driver call per bucket, no SM
 // kernel. One attribute set covers all copies:
-// - srcAccessOrder = Stream: the sources are static weights in symmetric
-//   windows, published (one barrier at bind time) before any read, and never
-//   written afterwards; stream order is all the ordering they need.
+// - srcAccessOrder = Stream: a source is read when the stream reaches the copy,
+//   never earlier. Sources are weights in symmetric windows, published (one
+//   barrier at bind time) before any read; an inference weight is never written
+//   afterwards, a training graph's staging slot only between two step fences
+//   that the current stream (and so this copy stream) has waited on
+//   (NOTE [training: staged windows and step fences] in runtime/staging.py).
 // - flags = PreferOverlapWithCompute (a hint): the copies run beside the
-//   matmuls that consume the previous gather.
+//   matmuls that consume the previous gather. TORCH_CE_COPY_OVERLAP_HINT=0
+//   drops it (an A/B knob, read once).
 // - location hints stay zero: they only matter for managed/pageable memory.
 // The stream must not be the legacy default stream (the API rejects it).
 inline cudaError_t batch(void* const* dsts, const void* const* srcs,

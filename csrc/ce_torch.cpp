@@ -32,6 +32,7 @@
 // consumer's wait_tensor joins the copy streams back before any use or free of
 // the outputs.
 
+#include <cstdlib>
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -292,8 +293,12 @@ std::vector<at::Tensor> gather_slots(
                     std::vector<size_t>& z, cudaStream_t st) {
     if (d.empty()) return;
     if (!capturing && batch_ok()) {
+      static const bool overlap_hint = [] {
+        const char* v = std::getenv("TORCH_CE_COPY_OVERLAP_HINT");
+        return !(v != nullptr && v[0] == '0');
+      }();
       CE_CUDA_CHECK(torch_ce_copy::batch(d.data(), s.data(), z.data(),
-                                         d.size(), true, st),
+                                         d.size(), overlap_hint, st),
                     "cudaMemcpyBatchAsync");
     } else {
       size_t failed = 0;

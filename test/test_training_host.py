@@ -17,6 +17,10 @@ torn read (NOTE [training: staged windows and step fences] in runtime/staging.py
 - ``test_accumulation_frozen_optimizer_in_backward``: gradient accumulation (2
   micro-batches), a frozen layer and an optimizer that steps inside post-accumulate-grad
   hooks, with the delay: identical losses.
+- ``test_hsdp_2x2_trains_bit_identical``: ``hybrid_shard`` on 4 ranks; each shard group
+  stages and fences on its own.
+After every step of a CE run (but the one whose optimizer steps inside the backward) every
+staging slot must hold its weight's cast exactly (``_check_slots``).
 """
 from __future__ import annotations
 
@@ -208,7 +212,7 @@ class Net(torch.nn.Module):
         return self.head(x)
 
 
-def _net_builder(seed, frozen=False):
+def _net_builder(seed, frozen=False, hsdp=False):
     def build():
         from torch.distributed.device_mesh import init_device_mesh
         from torchtitan.experiments.graph_trainer import simple_fsdp
@@ -216,8 +220,12 @@ def _net_builder(seed, frozen=False):
         torch.manual_seed(seed)
         simple_fsdp._wrap_class_cache.clear()
         policy = simple_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model = simple_fsdp.data_parallel(Net(), init_device_mesh("cpu", (WORLD,)), mode="fully_shard",
-                                          mp_policy=policy)
+        if hsdp:
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+            model = simple_fsdp.data_parallel(Net(), mesh, mode="hybrid_shard", mp_policy=policy)
+        else:
+            model = simple_fsdp.data_parallel(Net(), init_device_mesh("cpu", (WORLD,)), mode="fully_shard",
+                                              mp_policy=policy)
         if frozen:  # after wrapping: data_parallel registers new Parameters
             model.blocks[0].requires_grad_(False)
         return model, lambda m, x: m(x).float().pow(2).mean()
@@ -269,3 +277,25 @@ def test_accumulation_frozen_optimizer_in_backward(tmp_path):
     for rank, (ref, ce) in enumerate(res):
         assert ce == ref, f"rank {rank}: losses differ\nref {ref}\nce  {ce}"
         assert len(set(ref)) > 1, f"rank {rank}: nothing trains"
+
+
+def _rank_hsdp(rank, world, seed, cache):
+    setup_compile(cache, rank)
+    from torch_ce.runtime import windows as W
+
+    batches = _batches(seed, rank, 4)
+    ref = _train("nccl", _net_builder(seed, hsdp=True), batches, rank)[0]
+    ce = _train("copy_engine", _net_builder(seed, hsdp=True), batches, rank, delay=0.2)[0]
+    pools = sorted({tuple(k[0]) for k in W.pools()})
+    return ref, ce, pools
+
+
+def test_hsdp_2x2_trains_bit_identical(tmp_path):
+    """HSDP (``hybrid_shard`` on a (2, 2) mesh): each host's shard group stages and fences
+    on its own; gradients reduce-scatter over the shard dim and all-reduce over the
+    replicate dim on the collective."""
+    res = run_ranks(_rank_hsdp, 4, seed_base(), str(tmp_path), timeout=300)
+    for rank, (ref, ce, pools) in enumerate(res):
+        assert ce == ref, f"rank {rank}: losses differ\nref {ref}\nce  {ce}"
+        shard_group = (0, 1) if rank < 2 else (2, 3)
+        assert pools == [shard_group], f"rank {rank}: staged over {pools}, not its shard group"
