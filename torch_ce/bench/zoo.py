@@ -109,18 +109,26 @@ def model_config(model: str, layers: int, dim: int = 0, vocab: int = 0):
                    lm_head=Linear.Config(in_features=d, out_features=V, param_init=head_init))
 
 
-def build_full(a: dict, dev, seed: int):
-    """The bf16 zoo model on ``dev``, initialised by the zoo's ``init_states`` from ``seed``
-    (the same weights on every rank and in every variant), no grads, eval mode."""
+def _initialised(a: dict, dev, seed: int):
+    """The fp32 zoo model on ``dev``, initialised by the zoo's ``init_states`` from ``seed``
+    (the same weights on every rank and in every variant)."""
     import torch
 
-    cfg = model_config(a["model"], a["layers"], a["dim"], a["vocab"])
+    cfg = model_config(a["model"], a["layers"], a.get("dim", 0), a.get("vocab", 0))
     torch.manual_seed(seed)
     if dev.type == "cuda":
         torch.cuda.manual_seed(seed)
     with torch.device(dev):
         net = cfg.build()
         net.init_states(buffer_device=dev)
+    return net
+
+
+def build_full(a: dict, dev, seed: int):
+    """The bf16 zoo model (``_initialised``), no grads, eval mode."""
+    import torch
+
+    net = _initialised(a, dev, seed)
     for p in net.parameters():  # stored in the compute dtype: no cast before the gather
         p.data = p.data.to(torch.bfloat16)  # (not net.to(): Llama's RoPE buffer is complex)
         p.requires_grad_(False)
@@ -150,20 +158,13 @@ def tokens(a: dict, T: int, dev, seed: int):
 
 
 def build_for_training(a: dict, dev, seed: int, mesh, param_dtype=None, reduce_dtype=None):
-    """The zoo model for training: fp32 weights initialised by the zoo's ``init_states``
-    from ``seed`` (the same on every rank), under SimpleFSDP ``fully_shard`` with
-    ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (None: fp32 compute; fp32
+    """The fp32 zoo model for training (``_initialised``) under SimpleFSDP ``fully_shard``
+    with ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (None: fp32 compute; fp32
     reduce-scatters), in train mode."""
     import torch
     from torchtitan.experiments.graph_trainer import simple_fsdp
 
-    cfg = model_config(a["model"], a["layers"], a.get("dim", 0), a.get("vocab", 0))
-    torch.manual_seed(seed)
-    if dev.type == "cuda":
-        torch.cuda.manual_seed(seed)
-    with torch.device(dev):
-        net = cfg.build()
-        net.init_states(buffer_device=dev)
+    net = _initialised(a, dev, seed)
     simple_fsdp._wrap_class_cache.clear()  # its wrapper classes close over the first mesh
     policy = simple_fsdp.MixedPrecisionPolicy(param_dtype=param_dtype,
                                               reduce_dtype=reduce_dtype or torch.float32)

@@ -52,39 +52,31 @@ def rewrite(graph: fx.Graph, p: Plan, refresh: bool = True) -> fx.Node | None:
         s.gather.target = U.magi.ce_all_gather.default
     if not p.shards:
         return None
-    anchor = U.last_placeholder(graph)
-    with graph.inserting_after(anchor):
-        bind = graph.call_function(
-            U.magi.ce_bind.default,
-            (
-                [ps.node for ps in p.shards],
-                [ps.group_size for ps in p.shards],
-                [ps.group_name for ps in p.shards],
-                [param_name(ps.node) for ps in p.shards],  # NOTE [parameter names]
-                [ps.reason for ps in p.shards],
-            ),
-        )
+    bind = _head_step(graph, U.magi.ce_bind.default, p)
     bind.meta["val"] = None
     return bind
+
+
+def _head_step(graph: fx.Graph, target, p: Plan, *extra) -> fx.Node:
+    """The bind or stage step after the last placeholder, listing every planned shard:
+    (shards, [dtypes,] group sizes, group names, parameter names, reasons, *extra)."""
+    dtypes = ([ps.dtype for ps in p.shards],) if p.staged else ()
+    with graph.inserting_after(U.last_placeholder(graph)):
+        return graph.call_function(target, (
+            [ps.node for ps in p.shards],
+            *dtypes,
+            [ps.group_size for ps in p.shards],
+            [ps.group_name for ps in p.shards],
+            [param_name(ps.node) for ps in p.shards],  # NOTE [parameter names]
+            [ps.reason for ps in p.shards],
+            *extra,
+        ))
 
 
 def _rewrite_staged(graph: fx.Graph, p: Plan, refresh: bool) -> fx.Node | None:
     if not p.shards:
         return None
-    anchor = U.last_placeholder(graph)
-    with graph.inserting_after(anchor):
-        stage = graph.call_function(
-            U.magi.ce_stage.default,
-            (
-                [ps.node for ps in p.shards],
-                [ps.dtype for ps in p.shards],
-                [ps.group_size for ps in p.shards],
-                [ps.group_name for ps in p.shards],
-                [param_name(ps.node) for ps in p.shards],  # NOTE [parameter names]
-                [ps.reason for ps in p.shards],
-                refresh,
-            ),
-        )
+    stage = _head_step(graph, U.magi.ce_stage.default, p, refresh)
     # One output per shard the compile side found eligible (the others are listed only so
     # that every rank agrees over the same candidates).
     slots: dict[tuple, fx.Node] = {}
