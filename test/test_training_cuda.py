@@ -32,7 +32,7 @@ def _rank(rank, world, seed):
     ic.fx_graph_cache = False
     # GPU training kernels are not bit-reproducible by default (atomics in the embedding
     # backward): the reference and the CE run must be, to be compared bit for bit.
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)  # warn_only=False: cuDNN attention too
     dev = torch.device("cuda", rank)
     gen = torch.Generator(device=dev).manual_seed(seed + 100 + rank)
     batches = [[torch.randint(0, SHAPES["vocab"], (2, 129), device=dev, generator=gen)] for _ in range(20)]

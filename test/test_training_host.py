@@ -129,12 +129,14 @@ def _zoo_builder(seed, param_dtype, dev=torch.device("cpu"), shapes=ZOO):
 def _rank_zoo(rank, world, seed, cache):
     setup_compile(cache, rank)
     import torch_ce
+    from torch_ce import report
     from torch_ce.runtime import windows as W
 
     gen = torch.Generator().manual_seed(seed + 100 + rank)  # different data per rank
     batches = [[torch.randint(0, ZOO["vocab"], (2, 17), generator=gen)] for _ in range(20)]
     out = {}
     for name, pd in (("fp32", None), ("bf16", torch.bfloat16)):
+        report.clear()
         ref, ref_code, _ = _train("nccl", _zoo_builder(seed, pd), batches, rank)
         ce, code, compiled = _train("copy_engine", _zoo_builder(seed, pd), batches, rank)
         model = compiled._orig_mod
@@ -162,6 +164,10 @@ def _rank_zoo(rank, world, seed, cache):
             staged=sum(1 for s in staged if s is not None and isinstance(s[0], W.Slot)),
             n=len(shards), staging_bytes=expect, window_used=used,
             eval_equal=torch.equal(*evals),
+            # explain(): the forward's and the backward's weights, by parameter name, in
+            # their staging slots (the backward is compiled outside Dynamo's frame).
+            explained=sorted({(w.param, w.status, w.staged) for w in e.weights if w.staged}),
+            in_place=sum(isinstance(W.lookup(t), W.Slot) for t in shards),
             trained_refusals=sum(1 for b in e.binds for why in b.skipped.values() if "training graph stages" in why),
         )
         torch_ce.release_all()
@@ -181,8 +187,12 @@ def test_zoo_llama3_trains_bit_identical(tmp_path):
             assert r["staged"] == r["n"], f"{what}: {r['staged']} of {r['n']} weights staged"
             # The NOTE's statement: one slot per weight in param_dtype (512-byte aligned).
             assert r["window_used"] == r["staging_bytes"], what
+            assert r["explained"] and all(st == "bound" and not p.startswith("primals_")
+                                          for p, st, _ in r["explained"]), f"{what}: {r['explained']}"
             assert r["eval_equal"], f"{what}: eval forward after training differs from the collective's"
-            assert r["trained_refusals"] == r["n"], f"{what}: eval graph bound trained weights in place"
+            assert r["in_place"] == 0, f"{what}: the eval graph bound trained weights in place"
+            if name == "fp32":  # (bf16: the eval graph casts before its gathers: refused earlier)
+                assert r["trained_refusals"] == r["n"], f"{what}: {r['trained_refusals']} TRAINED_WEIGHT refusals"
 
 
 # ---------------------------------------------------------------------------------------
