@@ -462,14 +462,15 @@ class GoldenTrainingTest(GoldenTest):
         fw, bw = self.graphs
         self.assertExpectedInline(fw, """\
 graph():
-    %primals_1 : [num_users=2] = placeholder[target=primals_1]
+    %primals_1 : [num_users=3] = placeholder[target=primals_1]
     %primals_2 : [num_users=1] = placeholder[target=primals_2]
     %primals_3 : [num_users=2] = placeholder[target=primals_3]
-    %primals_4 : [num_users=2] = placeholder[target=primals_4]
+    %primals_4 : [num_users=3] = placeholder[target=primals_4]
     %primals_5 : [num_users=0] = placeholder[target=primals_5]
-    %ce_stage_default : [num_users=2] = call_function[target=torch.ops.magi.ce_stage.default](args = ([%primals_1, %primals_4], [bfloat16, bfloat16], [2, 2], [0, 0], [0.weight, 1.weight], [, ], True), kwargs = {})
-    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%ce_stage_default, 0), kwargs = {})
-    %getitem_1 : [num_users=1] = call_function[target=operator.getitem](args = (%ce_stage_default, 1), kwargs = {})
+    %ce_stage_default : [num_users=0] = call_function[target=torch.ops.magi.ce_stage.default](args = ([%primals_1, %primals_4], [bfloat16, bfloat16], [2, 2], [0, 0], [0.weight, 1.weight], [, ], True), kwargs = {})
+    %ce_staged_default : [num_users=2] = call_function[target=torch.ops.magi.ce_staged.default](args = ([%primals_1, %primals_4], [bfloat16, bfloat16], [0, 0]), kwargs = {})
+    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%ce_staged_default, 0), kwargs = {})
+    %getitem_1 : [num_users=1] = call_function[target=operator.getitem](args = (%ce_staged_default, 1), kwargs = {})
     %all_gather_into_tensor : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%getitem, 2, 0), kwargs = {})
     %wait_tensor : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor,), kwargs = {})
     %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor, [1, 0]), kwargs = {})
@@ -483,12 +484,13 @@ graph():
 graph():
     %primals_1 : [num_users=0] = placeholder[target=primals_1]
     %primals_3 : [num_users=1] = placeholder[target=primals_3]
-    %primals_4 : [num_users=1] = placeholder[target=primals_4]
+    %primals_4 : [num_users=2] = placeholder[target=primals_4]
     %mm : [num_users=1] = placeholder[target=mm]
     %primals_2 : [num_users=1] = placeholder[target=primals_2]
     %tangents_1 : [num_users=2] = placeholder[target=tangents_1]
-    %ce_stage_default : [num_users=1] = call_function[target=torch.ops.magi.ce_stage.default](args = ([%primals_4], [bfloat16], [2], [0], [1.weight], [], False), kwargs = {})
-    %getitem_3 : [num_users=1] = call_function[target=operator.getitem](args = (%ce_stage_default, 0), kwargs = {})
+    %ce_stage_default : [num_users=0] = call_function[target=torch.ops.magi.ce_stage.default](args = ([%primals_4], [bfloat16], [2], [0], [1.weight], [], False), kwargs = {})
+    %ce_staged_default : [num_users=1] = call_function[target=torch.ops.magi.ce_staged.default](args = ([%primals_4], [bfloat16], [0]), kwargs = {})
+    %getitem_3 : [num_users=1] = call_function[target=operator.getitem](args = (%ce_staged_default, 0), kwargs = {})
     %permute_2 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%tangents_1, [1, 0]), kwargs = {})
     %mm_2 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%permute_2, %mm), kwargs = {})
     %all_gather_into_tensor_1 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%getitem_3, 2, 0), kwargs = {})

@@ -39,7 +39,7 @@ MAGI_CALL = "torch.ops.magi.ce_all_gather"
 NO_FENCE = "TORCH_CE_UNSAFE_NO_STEP_FENCE"
 
 
-def _train(transport, build, batches, rank, *, delay=0.0, accum=1, hooks=False, lr=1e-2):
+def _train(transport, build, batches, rank, *, delay=0.0, accum=1, hooks=False, lr=1e-2, **cfg):
     """Compile and train; returns (per-step losses, the generated code of the first step's
     graphs (forward, then backward), the compiled model)."""
     import torch_ce
@@ -60,7 +60,7 @@ def _train(transport, build, batches, rank, *, delay=0.0, accum=1, hooks=False, 
         opt = None
     else:
         opt = torch.optim.AdamW(params, lr=lr)
-    torch_ce.enable(transport=transport, reshard_after_forward=True)
+    torch_ce.enable(transport=transport, reshard_after_forward=True, **cfg)
     try:
         compiled = torch.compile(model)
         losses, code = [], []
@@ -309,3 +309,27 @@ def test_hsdp_2x2_trains_bit_identical(tmp_path):
         assert ce == ref, f"rank {rank}: losses differ\nref {ref}\nce  {ce}"
         shard_group = (0, 1) if rank < 2 else (2, 3)
         assert pools == [shard_group], f"rank {rank}: staged over {pools}, not its shard group"
+
+
+def _rank_disagree(rank, world, seed, cache):
+    setup_compile(cache, rank)
+    import torch_ce
+    from torch_ce.runtime.agreement import BindError
+
+    batches = _batches(seed, rank, 2)
+    # Rank 1 refuses every weight (its host transport is off) while rank 0 stages them:
+    # both must raise the same clear error at the first step, not hang.
+    try:
+        _train("copy_engine", _net_builder(seed), batches, rank, host_transport=rank != 1)
+        return "no error"
+    except BindError as e:
+        return str(e)
+    finally:
+        torch_ce.config.update(host_transport=True)
+
+
+def test_rank_disagreement_is_an_error_not_a_hang(tmp_path):
+    """NOTE [training graphs cannot fall back weight by weight] in runtime/binding.py."""
+    res = run_ranks(_rank_disagree, WORLD, seed_base(), str(tmp_path), timeout=120)
+    for rank, msg in enumerate(res):
+        assert "ranks disagree" in msg and "refused on rank 1" in msg and "host transport" in msg, (rank, msg)

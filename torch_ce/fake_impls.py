@@ -34,6 +34,10 @@ def _ce_gather_rows_fake(shard: torch.Tensor, ids: torch.Tensor, group_size: int
 
 
 @torch.library.register_fake("magi::ce_stage")
-def _ce_stage_fake(params, dtypes, group_sizes, group_names, names, reasons, refresh):
-    return [p.new_empty(p.shape, dtype=getattr(torch, d))
-            for p, d, why in zip(params, dtypes, reasons) if not why]
+def _ce_stage_fake(params, dtypes, group_sizes, group_names, names, reasons, refresh) -> None:
+    return None
+
+
+@torch.library.register_fake("magi::ce_staged")
+def _ce_staged_fake(params, dtypes, group_names):
+    return [p.new_empty(p.shape, dtype=getattr(torch, d)) for p, d in zip(params, dtypes)]

@@ -24,21 +24,21 @@ def register_lowerings() -> None:
     from . import ops  # noqa: F401  (the ops must exist)
 
     magi = torch.ops.magi
-    if magi.ce_stage.default not in lowering.lowerings:
-        lowering.register_lowering(magi.ce_stage.default, type_promotion_kind=None)(_stage_lowering)
+    if magi.ce_staged.default not in lowering.lowerings:
+        lowering.register_lowering(magi.ce_staged.default, type_promotion_kind=None)(_staged_lowering)
     for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_bind, magi.ce_prefetch,
-               magi.ce_gather_rows):
+               magi.ce_gather_rows, magi.ce_stage):
         for overload in op.overloads():
             target = getattr(op, overload)
             if target not in lowering.lowerings:
                 lowering.make_fallback(target, warn=False)
 
 
-def _stage_lowering(*args, **kwargs):
-    """``magi.ce_stage`` as a FallbackKernel whose outputs Inductor never reuses.
+def _staged_lowering(*args, **kwargs):
+    """``magi.ce_staged`` as a FallbackKernel whose outputs Inductor never reuses.
 
     # NOTE [staging slots are not Inductor's buffers]
-    The stage step returns views of window memory (the staging slots the gathers read),
+    The stage step's ``ce_staged`` returns views of window memory (the staging slots the gathers read),
     not fresh tensors. Inductor treats an extern kernel's outputs as its own: once the last
     gather has read a slot, its memory planner may hand the buffer to a later kernel of the
     same size (``buf9 = buf2; del buf2  # reuse``) or let a pointwise kernel write into it
@@ -48,7 +48,7 @@ def _stage_lowering(*args, **kwargs):
     from torch._inductor import lowering
     from torch._inductor.virtualized import V
 
-    outs = lowering.fallback_handler(torch.ops.magi.ce_stage.default, add_to_fallback_set=False)(*args, **kwargs)
+    outs = lowering.fallback_handler(torch.ops.magi.ce_staged.default, add_to_fallback_set=False)(*args, **kwargs)
     for o in outs:
         V.graph.never_reuse_buffers.add(o.get_name())
     return outs

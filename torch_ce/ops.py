@@ -30,15 +30,19 @@ The bind step the compiler inserts at the head of a graph (NOTE [run-time bind] 
 runtime/bind_step.py). Declared as mutating its shards so Inductor keeps every read of them
 after it; it moves them into windows on its first run and costs one dict lookup after.
 
-    magi::ce_stage(Tensor[] params, str[] dtypes, int[] group_sizes, str[] group_names,
-                   str[] names, str[] reasons, bool refresh) -> Tensor[]
+    magi::ce_stage(Tensor(a!)[] params, str[] dtypes, int[] group_sizes, str[] group_names,
+                   str[] names, str[] reasons, bool refresh) -> ()
+    magi::ce_staged(Tensor[] params, str[] dtypes, str[] group_names) -> Tensor[]
 
 The stage step the compiler inserts at the head of a training graph (NOTE [training:
-staged windows and step fences] in runtime/staging.py): binds a staging slot per weight and
-dtype on its first run; with ``refresh`` (a forward) it then fences, copies each weight
-(cast) into its slot and fences again on every run. Returns the slots of the entries whose
-reason is "" (the gathers' inputs); a slot refused at run time comes back as a plain cast
-that the gather hands to the collective.
+staged windows and step fences] in runtime/staging.py). ``ce_stage`` binds a staging slot
+per weight and dtype on its first run; with ``refresh`` (a forward) it then fences, copies
+each weight (cast) into its slot and fences again on every run. It is declared as mutating
+its weights (it writes none) so that Inductor keeps it even when this rank refused every
+weight (the rank must still take part in the bind round its peers wait in) and orders
+``ce_staged`` after it. ``ce_staged`` returns the slots of the weights the compile side
+found eligible (the gathers' inputs); a slot refused at run time comes back as a plain
+cast that the gather hands to the collective.
 
     magi::ce_prefetch(Tensor(a!)[] shards, int group_size, str group_name) -> ()
 
@@ -163,10 +167,16 @@ def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, grou
     raise _unbound_error(shard, group_name, "ce_gather_rows")
 
 
-def ce_stage(params, dtypes, group_sizes, group_names, names, reasons, refresh) -> list[torch.Tensor]:
+def ce_stage(params, dtypes, group_sizes, group_names, names, reasons, refresh) -> None:
     from .runtime.staging import run_stage_step
 
-    return run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, refresh)
+    run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, refresh)
+
+
+def ce_staged(params, dtypes, group_names) -> list[torch.Tensor]:
+    from .runtime.staging import staged_slots
+
+    return staged_slots(params, dtypes, group_names)
 
 
 def ce_prefetch(shards: list[torch.Tensor], group_size: int, group_name: str) -> None:
@@ -190,9 +200,10 @@ _lib.define(
 )
 _lib.define("ce_prefetch(Tensor(a!)[] shards, int group_size, str group_name) -> ()")
 _lib.define(
-    "ce_stage(Tensor[] params, str[] dtypes, int[] group_sizes, str[] group_names, str[] names, "
-    "str[] reasons, bool refresh) -> Tensor[]"
+    "ce_stage(Tensor(a!)[] params, str[] dtypes, int[] group_sizes, str[] group_names, str[] names, "
+    "str[] reasons, bool refresh) -> ()"
 )
+_lib.define("ce_staged(Tensor[] params, str[] dtypes, str[] group_names) -> Tensor[]")
 _lib.define("ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_name) -> Tensor")
 # The Python kernel under its own name: the C++ kernels hand it every bucket they do not
 # serve (NOTE [native gather path] in csrc/ce_torch.cpp). Never traced, so no fake impl.
@@ -206,6 +217,7 @@ for _key in ("CPU", "CUDA"):
     _lib.impl("ce_bind", ce_bind, _key)
     _lib.impl("ce_prefetch", ce_prefetch, _key)
     _lib.impl("ce_stage", ce_stage, _key)
+    _lib.impl("ce_staged", ce_staged, _key)
     _lib.impl("ce_gather_rows", ce_gather_rows, _key)  # one per forward: Python is fine
     if _key == "CUDA" and _native:
         continue  # the C++ kernels are registered for CUDA by the library itself

@@ -21,14 +21,16 @@ weights whose gathers this rank refused (with the reason), so every rank of the 
 agrees over the same candidates even when a refusal is rank-dependent.
 
 A training graph (NOTE [training: staged windows and step fences] in runtime/staging.py)
-gets ``magi.ce_stage`` instead, whose outputs are the staging slots the gathers read::
+gets ``magi.ce_stage`` instead, and ``magi.ce_staged``, whose outputs are the staging
+slots the gathers read::
 
     %w : placeholder                                   (an fp32 shard)
     %st : magi.ce_stage([%w], ['bfloat16'], [2], ['0'], ['w'], [''], True)
-    %s0 : getitem(%st, 0)                              (its bf16 staging slot)
+    %sl : magi.ce_staged([%w], ['bfloat16'], ['0'])
+    %s0 : getitem(%sl, 0)                              (its bf16 staging slot)
     %ag : magi.ce_all_gather(%s0, 2, '0')              (was: all_gather(convert(%w, bf16)))
 
-The last argument says whether this graph refreshes the slots (a forward: fence, copy,
+ce_stage's last argument says whether this graph refreshes the slots (a forward: fence, copy,
 fence) or only reads them (a backward: its forward refreshed them this step). The cast
 before the gather goes: the stage step casts.
 """
@@ -77,26 +79,31 @@ def _rewrite_staged(graph: fx.Graph, p: Plan, refresh: bool) -> fx.Node | None:
     if not p.shards:
         return None
     stage = _head_step(graph, U.magi.ce_stage.default, p, refresh)
-    # One output per shard the compile side found eligible (the others are listed only so
-    # that every rank agrees over the same candidates).
+    stage.meta["val"] = None
+    # The slots of the shards the compile side found eligible (the others are listed in the
+    # stage step only so that every rank agrees over the same candidates). ce_stage is
+    # declared as mutating the shards, so this read of them runs after it.
+    ok = [ps for ps in p.shards if not ps.reason]
+    if not ok:
+        return stage
+    with graph.inserting_after(stage):
+        staged = graph.call_function(U.magi.ce_staged.default, (
+            [ps.node for ps in ok], [ps.dtype for ps in ok], [ps.group_name for ps in ok]))
     slots: dict[tuple, fx.Node] = {}
     vals = []
-    prev = stage
-    for ps in p.shards:
-        if ps.reason:
-            continue
+    prev = staged
+    for i, ps in enumerate(ok):
         w = ps.node.meta["val"]
         val = w.new_empty(w.shape, dtype=getattr(torch, ps.dtype))
         with graph.inserting_after(prev):
-            item = graph.call_function(operator.getitem, (stage, len(vals)))
+            item = graph.call_function(operator.getitem, (staged, i))
         item.meta["val"] = val
         vals.append(val)
         slots[(ps.node, ps.dtype)] = item
         prev = item
-    stage.meta["val"] = vals
+    staged.meta["val"] = vals
     for s in p.seeds:
-        key = (s.weight, str(s.stage_dtype).removeprefix("torch."))
-        slot = slots.get(key)
+        slot = slots.get((s.weight, str(s.stage_dtype).removeprefix("torch.")))
         if slot is None:  # cannot happen: an eligible seed's weight is an eligible shard
             continue
         old = s.gather.args[0]

@@ -1,4 +1,5 @@
-"""The run-time stage step of training graphs: what ``magi::ce_stage`` does.
+"""The run-time stage step of training graphs: what ``magi::ce_stage`` and
+``magi::ce_staged`` do.
 
 # NOTE [training: staged windows and step fences]
 In a training step a weight changes (the optimizer writes each rank's shard in place) and
@@ -116,9 +117,9 @@ def _fence_groups(entries) -> list:
     return [seen[k] for k in sorted(seen)]
 
 
-def run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, refresh) -> list[torch.Tensor]:
-    """The staging slots the graph's gathers read, one per eligible entry (``reasons[i] ==
-    ""``), refreshed between two fences when ``refresh`` (a training forward)."""
+def run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, refresh) -> None:
+    """Bind the staging slots (first run), and when ``refresh`` (a training forward) fence,
+    copy every weight (cast) into its slot, fence."""
     dts = [getattr(torch, d) for d in dtypes]
     entries = [W.staged(p, d) for p, d in zip(params, dts)]
     if any(e is None for e in entries):
@@ -134,16 +135,20 @@ def run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, ref
             if pairs:
                 torch._foreach_copy_([d for d, _ in pairs], [p for _, p in pairs])  # casts too
             fence(groups)  # fence 2: every slot holds this step's values
+
+
+def staged_slots(params, dtypes, group_names) -> list[torch.Tensor]:
+    """The staging slots of ``params`` (what the gathers read), after ``run_stage_step``."""
     outs = []
-    for p, d, e, why in zip(params, dts, entries, reasons):
-        if why:
-            continue
+    for p, dt, gname in zip(params, dtypes, group_names):
+        d = getattr(torch, dt)
+        e = W.staged(p, d)
         if e is not None and isinstance(e[0], W.Slot):
             outs.append(e[1])
             continue
         # Refused at run time (identically on every rank: agreed): a plain cast, gathered
         # by the collective (ops.gather sees the Fallback).
-        fb = e[0] if e is not None else W.Fallback("not staged", group_names[0])
+        fb = e[0] if e is not None else W.Fallback("not staged", gname)
         t = p.detach().to(d, copy=True)
         W.register(t, W.Fallback(fb.reason, fb.group_name, weakref.ref(t), fb.code))
         outs.append(t)
