@@ -19,6 +19,8 @@ torn read (NOTE [training: staged windows and step fences] in runtime/staging.py
   hooks, with the delay: identical losses.
 - ``test_hsdp_2x2_trains_bit_identical``: ``hybrid_shard`` on 4 ranks; each shard group
   stages and fences on its own.
+- ``test_rank_disagreement_is_an_error_not_a_hang`` and
+  ``test_weights_bound_in_place_cannot_train``: the two refusals that raise on every rank.
 After every step of a CE run (but the one whose optimizer steps inside the backward) every
 staging slot must hold its weight's cast exactly (``_check_slots``).
 """
@@ -222,14 +224,14 @@ class Net(torch.nn.Module):
         return self.head(x)
 
 
-def _net_builder(seed, frozen=False, hsdp=False):
+def _net_builder(seed, frozen=False, hsdp=False, param_dtype=torch.bfloat16):
     def build():
         from torch.distributed.device_mesh import init_device_mesh
         from torchtitan.experiments.graph_trainer import simple_fsdp
 
         torch.manual_seed(seed)
         simple_fsdp._wrap_class_cache.clear()
-        policy = simple_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = simple_fsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         if hsdp:
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
             model = simple_fsdp.data_parallel(Net(), mesh, mode="hybrid_shard", mp_policy=policy)
@@ -333,3 +335,31 @@ def test_rank_disagreement_is_an_error_not_a_hang(tmp_path):
     res = run_ranks(_rank_disagree, WORLD, seed_base(), str(tmp_path), timeout=120)
     for rank, msg in enumerate(res):
         assert "ranks disagree" in msg and "refused on rank 1" in msg and "host transport" in msg, (rank, msg)
+
+
+def _rank_inference_first(rank, world, seed, cache):
+    setup_compile(cache, rank)
+    import torch_ce
+
+    model, _ = _net_builder(seed, param_dtype=None)()  # fp32: no cast before the gathers
+    x = _batches(seed, rank, 1)[0][0].float()
+    torch_ce.enable(transport="copy_engine")
+    try:
+        with torch.no_grad():  # an inference graph binds the weights in place
+            torch.compile(model)(x)
+    finally:
+        torch_ce.disable()
+    try:
+        _train("copy_engine", lambda: (model, lambda m, x: m(x).float().pow(2).mean()),
+               [[x]], rank)
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_weights_bound_in_place_cannot_train(tmp_path):
+    """A weight an inference graph bound in place is read with no fence: training it would
+    let the optimizer write a window peers read. Every rank raises, naming the weight."""
+    res = run_ranks(_rank_inference_first, WORLD, seed_base(), str(tmp_path), timeout=120)
+    for rank, msg in enumerate(res):
+        assert "bound in place by an inference graph" in msg and "weight" in msg, (rank, msg)

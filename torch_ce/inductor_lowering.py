@@ -38,13 +38,14 @@ def _staged_lowering(*args, **kwargs):
     """``magi.ce_staged`` as a FallbackKernel whose outputs Inductor never reuses.
 
     # NOTE [staging slots are not Inductor's buffers]
-    The stage step's ``ce_staged`` returns views of window memory (the staging slots the gathers read),
-    not fresh tensors. Inductor treats an extern kernel's outputs as its own: once the last
+    ``ce_staged`` returns views of window memory (the staging slots the gathers read), not
+    fresh tensors. Inductor treats an extern kernel's outputs as its own: once the last
     gather has read a slot, its memory planner may hand the buffer to a later kernel of the
     same size (``buf9 = buf2; del buf2  # reuse``) or let a pointwise kernel write into it
     in place, i.e. write this step's activations into a window its peers read. On Llama3-8B
-    X
-    ``never_reuse_buffers`` keeps both from happening."""
+    shapes that overwrote the layer weights' slots in the first step (GPU run 30,
+    bench/results/run30_31_staging_check.log). ``never_reuse_buffers`` keeps both from
+    happening."""
     from torch._inductor import lowering
     from torch._inductor.virtualized import V
 

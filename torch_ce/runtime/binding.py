@@ -94,13 +94,6 @@ def local_reason(t: torch.Tensor, group, min_shard_bytes: int | None = None,
         return refusal(Reason.TRAINED_WEIGHT,
                        "a training graph stages this weight (it changes every step): an "
                        "inference graph cannot read it in place")
-    if stage_dtype is not None and isinstance(W.lookup(t), W.Slot):
-        raise RuntimeError(
-            f"torch_ce: weight {tuple(t.shape)} {t.dtype} was bound in place by an inference "
-            "graph (weights static from then on), and a training graph now gathers it: an "
-            "optimizer step would write the window while peers read it. Run the training "
-            "graphs before compiling inference graphs on the same weights, or keep inference "
-            "on the collective (torch_ce.enable(training=...) / transport='nccl').")
     itemsize = (stage_dtype or t.dtype).itemsize
     return shard_refusal(
         device_type=t.device.type, nbytes=t.numel() * itemsize, numel=t.numel(),

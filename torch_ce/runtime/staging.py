@@ -100,6 +100,13 @@ def _bind_new(params, dtypes, group_sizes, group_names, names, reasons) -> None:
             raise RuntimeError(
                 f"torch_ce: the stage step of a compiled training graph needs process group "
                 f"{gname!r} (for {name}), which is not a live group on this rank") from e
+        if isinstance(W.lookup(p), W.Slot):  # identical on every rank: no exchange needed
+            raise RuntimeError(
+                f"torch_ce: {name} was bound in place by an inference graph (weights static "
+                "from then on), and a training graph now gathers it: an optimizer step would "
+                "write the window while peers read it. Run the training graphs before "
+                "compiling inference graphs on the same weights, or keep inference on the "
+                "collective (torch_ce.enable(training=...) / transport='nccl').")
         reason = refusal(Reason.OTHER, why) if why else local_reason(p, pg, stage_dtype=d)
         if reason is None and pg.size() != gs:
             reason = refusal(Reason.GROUP_SIZE_MISMATCH, f"group size {pg.size()} != gather group size {gs}")
