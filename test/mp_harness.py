@@ -18,13 +18,16 @@ of return values comes back in rank order.
 Any rank's exception fails the calling test with that rank's traceback text; a child
 that dies without reporting (crash, kill) fails it with its exit code; if the ranks have
 not all reported after ``timeout`` seconds every child is killed and the test fails with
-"timed out (hang?)". Results travel as plain pickles (tensors are copied, not shared).
+"timed out (hang?)", after each child still running has printed every thread's Python
+stack to stderr (SIGUSR1, faulthandler). Results travel as plain pickles (tensors are copied, not shared).
 """
 from __future__ import annotations
 
 import os
 import pickle
 import random
+import signal
+import sys
 import time
 import traceback
 
@@ -72,6 +75,9 @@ def _child(rank, world_size, port, backend, env, fn, args, q):
     import faulthandler
 
     faulthandler.enable()  # a rank killed by a signal prints its Python stack (stderr)
+    # A rank still running at the deadline is sent SIGUSR1 first: it prints every
+    # thread's stack (stderr), so a hang names the call it is stuck in.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(env or {})
     try:
         import torch
@@ -135,6 +141,12 @@ def run_ranks(fn, world_size, *args, timeout=120, backend="gloo", env=None):
                 continue
             time.sleep(0.02)
     finally:
+        if timed_out:
+            for r, p in enumerate(procs):
+                if p.is_alive():
+                    print(f"---- rank {r} (pid {p.pid}) still running: its stacks ----", file=sys.stderr, flush=True)
+                    os.kill(p.pid, signal.SIGUSR1)
+                    time.sleep(1.0)  # let it write its stacks before the next one (and the kill)
         for p in procs:
             if p.is_alive():
                 p.kill()
