@@ -404,6 +404,19 @@ def _rank_disagreement(rank, ws, base):
     assert res.bound == ["param0"] and "disagreement" in res.skipped.get("param1", ""), res
     assert torch.equal(_gather1(e, ws, gname), e_ref)
 
+    # A bucket of two refused shards: each fallback gather is complete when the op returns,
+    # never two gloo collectives in flight (NOTE [gloo: one functional collective in
+    # flight] in ops.py); the graph's wait is then a no-op.
+    b2 = _rand((6, 4), torch.float32, gen)
+    b2_ref = _ref_gather(b2)
+    if rank == 1:
+        b2 = b2.t().contiguous().t()
+    assert torch_ce.bind([b2], group=dist.group.WORLD).skipped
+    outs = torch.ops.magi.ce_all_gather_coalesced([b, b2], ws, gname)
+    assert torch._C._distributed_c10d._get_work_registry_size() == 0
+    for o, r in zip([_wait(o) for o in outs], [refs[1], b2_ref]):
+        assert torch.equal(o, r)
+
     # A different number of shards: everything refused, no hang.
     f = _rand((2, 5), torch.float16, gen)
     res = torch_ce.bind([f] if rank == 0 else [f, _rand((2, 5), torch.float16, gen)], group=dist.group.WORLD)

@@ -95,6 +95,23 @@ def _train(transport, build, batches, rank, *, delay=0.0, accum=1, hooks=False, 
         torch_ce.disable()
 
 
+def _collectives_in_flight(code: str) -> int:
+    """The most ``_c10d_functional`` collectives a generated graph has in flight at once
+    (launched, not yet waited): at most 1 on gloo (NOTE [gloo: one functional collective
+    in flight] in torch_ce/ops.py)."""
+    import re
+
+    pending, most = set(), 0
+    for line in code.splitlines():
+        m = re.match(r"\s*(buf\d+) = torch\.ops\._c10d_functional\.\w+\.default\(", line)
+        if m:
+            pending.add(m.group(1))
+            most = max(most, len(pending))
+        elif m := re.search(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)", line):
+            pending.discard(m.group(1))
+    return most
+
+
 def _check_slots(model) -> None:
     """After a forward and backward, every staging slot holds its weight's cast exactly
     (nothing but the stage step wrote it: NOTE [staging slots are not Inductor's buffers])."""
@@ -161,6 +178,7 @@ def _rank_zoo(rank, world, seed, cache, name):
     e = torch_ce.explain()
     return dict(
         ref=ref, ce=ce, ref_magi=sum(c.count(MAGI_CALL) for c in ref_code), graphs=len(code),
+        in_flight=[_collectives_in_flight(c) for c in ref_code + code],
         magi_fw=code[0].count(MAGI_CALL), magi_bw=code[-1].count(MAGI_CALL),
         staged=sum(1 for s in staged if s is not None and isinstance(s[0], W.Slot)),
         n=len(shards), staging_bytes=expect, window_used=used,
@@ -189,6 +207,7 @@ def test_zoo_llama3_trains_bit_identical(tmp_path, name):
         assert len(set(r["ce"])) > 10, f"{what}: the loss does not change: nothing trains"
         assert r["ref_magi"] == 0, f"{what}: the collective run has magi ops"
         assert r["graphs"] == 2, f"{what}: {r['graphs']} graphs compiled (a forward and a backward expected)"
+        assert max(r["in_flight"]) <= 1, f"{what}: collectives in flight at once on gloo, per graph: {r['in_flight']}"
         assert r["magi_fw"] > 0 and r["magi_bw"] > 0, f"{what}: magi ops fw={r['magi_fw']} bw={r['magi_bw']}"
         assert r["staged"] == r["n"], f"{what}: {r['staged']} of {r['n']} weights staged"
         # The NOTE's statement: one slot per weight in param_dtype (512-byte aligned).

@@ -120,8 +120,11 @@ class Explanation:
                     out.append(f"  bucket   {b['kind']:<10} {len(b['members'])} members, {b['bytes']:,d} B")
             if g.reorder:
                 r = g.reorder
-                out.append(f"  overlap  {r['launches']} launch(es), {r['compute_limited']} compute-limited"
-                           + ("" if r["valid"] else " (order rejected: unchanged)"))
+                if r.get("kept"):
+                    out.append(f"  overlap  {r['kept']}")
+                else:
+                    out.append(f"  overlap  {r['launches']} launch(es), {r['compute_limited']} compute-limited"
+                               + ("" if r["valid"] else " (order rejected: unchanged)"))
         for i, b in enumerate(self.binds):
             out.append(f"bind {i}: {len(b.bound)} moved into windows ({b.bytes_bound / 2**20:.2f} MiB), "
                        f"{len(b.already_bound)} already bound, {len(b.skipped)} skipped, "

@@ -63,6 +63,23 @@ from .runtime.gather import gather_rows, gather_slots
 _FUNCTIONAL = torch.ops._c10d_functional
 
 
+def _collective_gather(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """A refused shard's gather by the group's collective backend, in program order.
+
+    # NOTE [gloo: one functional collective in flight]
+    Two or more ``_c10d_functional`` collectives in flight at once on a gloo group corrupt
+    the heap on torch 2.13's CPU wheel ("malloc(): unaligned tcache chunk detected", or a
+    segfault, within a minute on 2 loaded cores; one at a time, and the same pattern
+    through ``dist.all_gather_into_tensor(async_op=True)``, never crashed:
+    bench/compare/gloo_inflight.py). So on CPU a fallback gather is waited here (its
+    graph's ``wait_tensor`` is then a no-op), and the reorder leaves graphs with collectives
+    on gloo in Inductor's order (passes/reorder.py). On CUDA (NCCL) nothing changes."""
+    out = _FUNCTIONAL.all_gather_into_tensor(shard.contiguous(), group_size, group_name)
+    if out.device.type == "cpu":
+        out = _FUNCTIONAL.wait_tensor(out)
+    return out
+
+
 def _unbound_error(t: torch.Tensor, group_name: str, op: str = "ce_all_gather") -> RuntimeError:
     return RuntimeError(
         f"torch_ce: magi::{op} got a tensor that is not bound to a symmetric window "
@@ -127,7 +144,7 @@ def gather(shards: Sequence[torch.Tensor], group_size: int, group_name: str) -> 
             bound_idx.append(i)
             slots.append(entry)
         elif isinstance(entry, W.Fallback):
-            outs[i] = _FUNCTIONAL.all_gather_into_tensor(s.contiguous(), group_size, group_name)
+            outs[i] = _collective_gather(s, group_size, group_name)
         else:
             raise _unbound_error(s, group_name)
     if slots:
@@ -162,7 +179,7 @@ def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, grou
         _check_group(entry, group_size, group_name)
         return gather_rows(shard, entry, ids)
     if isinstance(entry, W.Fallback):
-        full = _FUNCTIONAL.all_gather_into_tensor(shard.contiguous(), group_size, group_name)
+        full = _collective_gather(shard, group_size, group_name)
         return torch.embedding(_FUNCTIONAL.wait_tensor(full), ids)
     raise _unbound_error(shard, group_name, "ce_gather_rows")
 

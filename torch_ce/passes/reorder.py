@@ -26,6 +26,8 @@ import functools
 import logging
 from typing import Callable
 
+import torch
+
 from ..inductor_lowering import _issues_transfer
 from . import cost as cost_mod
 from .identity import identity
@@ -47,6 +49,27 @@ def _is_bind_step(unit) -> bool:
     from . import fx_utils as U
 
     return any(getattr(_kernel(s), "op_overload", None) is U.magi.ce_bind.default for s in unit.snodes)
+
+
+def _on_gloo(snode) -> bool:
+    """A collective launch on a CPU tensor of a group whose backend is gloo."""
+    import torch.distributed as dist
+    from torch._inductor import ir
+
+    node = _kernel(snode)
+    if not isinstance(node, ir._CollectiveKernel) or isinstance(node, ir._WaitKernel):
+        return False
+    device = node.get_device()
+    if device is None or device.type != "cpu":
+        return False
+    resolve = torch._C._distributed_c10d._resolve_process_group
+    for a in [*node.constant_args, *node.kwargs.values()]:
+        if isinstance(a, str):
+            try:
+                return "gloo" in str(dist.get_backend(resolve(a)))
+            except Exception:  # noqa: BLE001 (a reduce op's name, not a group)
+                continue
+    return False
 
 
 def _is_multi_output(snode) -> bool:
@@ -149,6 +172,12 @@ def latest_safe_launch(
     launches = [u for u in units if u.kind == "launch"]
     if not launches:
         return snodes
+    if any(_on_gloo(s) for u in launches for s in u.snodes):
+        # NOTE [gloo: one functional collective in flight] (ops.py): a second collective
+        # in flight on gloo can corrupt the heap, so such a graph keeps Inductor's order.
+        log.info("torch_ce reorder: collectives on gloo: Inductor's order kept (%d launches)", len(launches))
+        _record([], valid=True, kept="collectives on gloo: Inductor's order kept")
+        return snodes
     base = _sink_waits([u for u in units if u.kind != "launch"])
     producer_pos = {}
     for i, u in enumerate(base):
@@ -212,7 +241,7 @@ def _moved(p: Placement, order: list[Unit]) -> bool:
     return False
 
 
-def _record(placements: list[Placement], valid: bool) -> None:
+def _record(placements: list[Placement], valid: bool, kept: str = "") -> None:
     from .. import report
 
     from ..config import config
@@ -223,6 +252,7 @@ def _record(placements: list[Placement], valid: bool) -> None:
         launches=len(placements),
         compute_limited=sum(p.compute_limited for p in placements),
         placements=[dataclasses.asdict(p) for p in reversed(placements)],
+        kept=kept,
     )
 
 
