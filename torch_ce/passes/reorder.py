@@ -62,14 +62,15 @@ def _on_gloo(snode) -> bool:
     device = node.get_device()
     if device is None or device.type != "cpu":
         return False
-    resolve = torch._C._distributed_c10d._resolve_process_group
-    for a in [*node.constant_args, *node.kwargs.values()]:
-        if isinstance(a, str):
-            try:
-                return "gloo" in str(dist.get_backend(resolve(a)))
-            except Exception:  # noqa: BLE001 (a reduce op's name, not a group)
-                continue
-    return False
+    # c10d_functional ops take the group name last (after a reduce op's name, if any).
+    names = [a for a in node.constant_args if isinstance(a, str)]
+    if not names:
+        return False
+    try:
+        group = torch._C._distributed_c10d._resolve_process_group(names[-1])
+    except RuntimeError:
+        return False
+    return "gloo" in str(dist.get_backend(group))
 
 
 def _is_multi_output(snode) -> bool:
