@@ -282,6 +282,8 @@ def test_peer_order_variants():
     assert e2e_variant.peer_order_of("ce_fixed", a) == dict(order="fixed", chunk_mib=0)
     assert e2e_variant.peer_order_of("ce_chunk_cg", a) == dict(order="rotated", chunk_mib=2.0)
     assert e2e_variant.peer_order_of("ce", a) == {} and e2e_variant.peer_order_of("nccl", a) == {}
+    assert not e2e_variant.split_local_of("ce_inbatch") and not e2e_variant.split_local_of("ce_inbatch_cg")
+    assert e2e_variant.split_local_of("ce") and e2e_variant.split_local_of("ce_chunk")
 
 
 def test_ops_summary_prints_the_peer_order_ab(capsys):

@@ -20,7 +20,9 @@ from the same seed, so all compute the same function:
 and, not in the default set: ``ce_fullrows``, the ce variant with embeddings gathered in
 full (``row_gathers=False``: the A/B of the row gather); ``ce_fixed`` and ``ce_chunk``, the ce variant with its peer
 reads in the order before issue 16 (every rank reads rank 0 first) or in chunked
-interleave (``--peer-chunk-mib``; NOTE [peer order] in csrc/ce_copy.h); ``ce_prefetch``, the ce variant prefetching the next forward's
+interleave (``--peer-chunk-mib``; NOTE [peer order] in csrc/ce_copy.h); ``ce_inbatch``, the ce
+variant with this rank's own rows copied inside the peer batch instead of on the second copy
+stream (docs/perf-notes.md section 14); ``ce_prefetch``, the ce variant prefetching the next forward's
 first weights at the end of each forward (``prefetch_next_call_mib``, NOTE [cross-call
 prefetch] in torch_ce/runtime/prefetch.py; ``--prefetch-mib``, by default one decoder layer), and
 ``*_cg``, a variant compiled for CUDA graphs. Every variant starts from the default config.
@@ -51,13 +53,13 @@ from . import common as C
 from . import ranks as R
 from .e2e_report import (TARGETS_TEXT, describe, draw, local_checks, merge_previous, print_summary,
                          score)
-from .e2e_variant import cleanup, fresh_caches, model_input, peer_order_of, run_variant
+from .e2e_variant import cleanup, fresh_caches, model_input, peer_order_of, run_variant, split_local_of
 from .timeline import short_label
 from .timeline import write as write_account
 from .trace import trace_line
 from .zoo import MODELS
 
-VARIANTS = ("nccl", "ce", "ce_fixed", "ce_chunk", "ce_fullrows", "ce_noreorder", "ce_prefetch", "bound", "nccl_cg",
+VARIANTS = ("nccl", "ce", "ce_fixed", "ce_chunk", "ce_inbatch", "ce_fullrows", "ce_noreorder", "ce_prefetch", "bound", "nccl_cg",
             "ce_cg", "bound_cg")
 DEFAULT_VARIANTS = ("nccl", "ce", "ce_noreorder", "bound")
 TRACED = ("nccl", "ce", "bound")
@@ -176,7 +178,8 @@ def _worker(rank: int, world: int, a: dict) -> None:
             C.log(f"[e2e] T={T} {name}: building and compiling ...")
             err, rec, y = None, {}, None
             try:
-                with native.peer_order_as(**peer_order_of(name, a)):
+                with native.peer_order_as(**peer_order_of(name, a)), \
+                        native.split_local_copy_as(split_local_of(name)):
                     y = run_variant(name, a, x, mesh, rank, world, a["trace"] and name in TRACED, rec,
                                     traced[T].setdefault(name, {}))
             except Exception as e:  # noqa: BLE001

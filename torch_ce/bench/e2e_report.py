@@ -82,7 +82,7 @@ def score(per: dict, T: int, variants: list[str], checks: dict, all_checks: list
         r["ce_over_bound"] = round(ms["ce"] / ms["bound"], 4)
     if ms.get("nccl") and ms.get("bound"):
         r["nccl_over_bound"] = round(ms["nccl"] / ms["bound"], 4)
-    for v in ("ce_fixed", "ce_chunk"):  # the peer-order A/B (NOTE [peer order])
+    for v in ("ce_fixed", "ce_chunk", "ce_inbatch"):  # peer-order and own-row-copy A/Bs
         if ms.get(v) and ms.get("ce"):
             r[f"ce_over_{v}"] = round(ms["ce"] / ms[v], 4)
     if ms.get("ce_noreorder") and ms.get("ce"):

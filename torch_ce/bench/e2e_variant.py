@@ -164,6 +164,14 @@ def peer_order_of(name: str, a: dict) -> dict:
     return {}
 
 
+def split_local_of(name: str) -> bool:
+    """``native.split_local_copy_as`` argument of a variant: ce_inbatch copies this rank's
+    own rows inside the peer batch (the A/B of docs/perf-notes.md section 14); every other
+    variant on the second copy stream, the library's default."""
+    base = name[:-3] if name.endswith("_cg") else name
+    return base != "ce_inbatch"
+
+
 def run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool, rec: dict,
                 traced: dict | None = None):
     """Build, compile and time one variant, filling ``rec`` as it goes (so a failure keeps
@@ -187,7 +195,7 @@ def run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool,
     base = name[:-3] if graphs else name
     if base == "nccl":
         torch_ce.enable(transport="nccl", reorder=True)
-    elif base in ("ce", "ce_fixed", "ce_chunk"):  # the last two: peer_order_of
+    elif base in ("ce", "ce_fixed", "ce_chunk", "ce_inbatch"):  # peer_order_of; ce_inbatch: bench e2e
         torch_ce.enable(transport="copy_engine", reorder=True)
     elif base == "ce_fullrows":  # the embedding gathered in full (no row gather), for the A/B
         torch_ce.enable(transport="copy_engine", reorder=True, row_gathers=False)

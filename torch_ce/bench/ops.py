@@ -219,11 +219,8 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
 
     def ce1_inbatch():
         """ce1 with this rank's own rows inside the peer batch (C++ kernel only)."""
-        native.set_split_local_copy(False)
-        try:
+        with native.split_local_copy_as(False):
             ce1()
-        finally:
-            native.set_split_local_copy(True)
 
     ordered = order_variants(a["peer_chunk_mib"]) if native.loaded() else {}
 

@@ -238,6 +238,18 @@ def set_split_local_copy(split: bool) -> None:
         torch.ops.torch_ce_native.set_split_local_copy(bool(split))
 
 
+@contextlib.contextmanager
+def split_local_copy_as(split: bool):
+    """Gathers issued inside copy this rank's own rows on the second copy stream (True, the
+    default) or inside the peer batch (False); back to the default on exit (A/B runs:
+    bench ops' ce1_inbatch, bench e2e's ce_inbatch)."""
+    set_split_local_copy(split)
+    try:
+        yield
+    finally:
+        set_split_local_copy(True)
+
+
 def set_prefetch_pending(pending: bool) -> None:
     """While prefetched outputs are parked, hand every bucket to the Python kernel, which
     knows the park (NOTE [cross-call prefetch] in prefetch.py)."""
