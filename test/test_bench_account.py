@@ -77,6 +77,9 @@ def test_ce_account_by_hand():
     assert [(g["at_us"], g["us"], g["issue_us"], g["wait_us"], g["gather"]) for g in gaps] == [
         (0.0, 60.0, 50.0, 0.0, None), (90.0, 220.0, 0.0, 210.0, "L0 wqkv"),
         (360.0, 45.0, 0.0, 40.0, "L0 wo+L0 w1"), (505.0, 105.0, 95.0, 0.0, None)]
+    # Gather 0's own rows [100, 150) lie inside the idle gap 90..310: 50 us beside own rows.
+    assert [g["beside_own_rows_us"] for g in gaps] == [0.0, 50.0, 0.0, 0.0]
+    assert it["idle_beside_own_rows_us"] == 50.0
     assert acct["uncorrelated_copies"] == 0
     # Labels that do not fit the ops (another graph's code): numbered instead.
     assert [g["label"] for g in A.account(A.compact({"traceEvents": ce_trace()}), ["x"])["gathers"][0]] == [
@@ -103,6 +106,7 @@ def test_nccl_account_by_hand():
     (g,) = acct["gathers"][0]
     assert (g["bytes"], g["copy_us"], g["gbps"], g["exposed_us"]) == (10**6, 100.0, 10.0, 160.0)
     assert acct["compute_stream"] == "7" and acct["iterations"][0]["slowdown_under_copy"] is None
+    assert acct["iterations"][0]["idle_beside_own_rows_us"] == 0.0  # NCCL copies no own rows apart
 
 
 def test_timeline_files(tmp_path):

@@ -19,6 +19,10 @@ Definitions (us, per iteration; an iteration is one ``torch_ce_iter`` annotation
   launch on the CPU): before it the gap is CPU issue. Of the gathers whose last copy ends in
   (ready, b], the one ending last held the consumer: it is charged end - ready. A gap is
   charged to at most one gather; the rest of it stays ``issue_us`` / unattributed.
+- idle beside own rows: the part of each idle gap that overlaps this rank's own-row copies
+  (CE's ``Memcpy DtoD``), whoever the gap is charged to. A same-device DtoD keeps the
+  compute kernels from starting for most of its length (perf-notes section 14), so this is
+  idle the copy itself causes, which no launch point hides; NCCL has none.
 - compute slowdown: compute kernels are matched to the ``bound`` variant's trace by name and
   occurrence within the iteration. A kernel is under copy if it overlaps a copy of any
   gather. slowdown_under_copy = its matched kernels' time / the same kernels' time in bound;
@@ -113,7 +117,8 @@ def gathers(c: dict, labels: list[str] | None = None) -> list[list[dict]]:
         per[i].append(dict(op=op["name"], label=None, bytes=nbytes, copy_us=round(copy, 1),
                            gbps=round(nbytes / copy / 1e3, 1) if copy and nbytes else None,
                            start=min((s for s, _ in iv), default=None), end=max((e for _, e in iv), default=None),
-                           intervals=merge_intervals(iv), exposed_us=0.0, consumer=None))
+                           intervals=merge_intervals(iv), exposed_us=0.0, consumer=None,
+                           own=merge_intervals((g["ts"], g["ts"] + g["dur"]) for g in evs if "DtoD" in g["name"])))
     for gs in per:
         for k, g in enumerate(gs):
             g["k"] = k
@@ -145,6 +150,7 @@ def account(c: dict, labels: list[str] | None = None, bound: dict | None = None)
     for i, ks in enumerate(comp):
         G = gs[i] if i < len(gs) else []
         t0 = c["iters"][i][0] if i < len(c["iters"]) else (ks[0]["ts"] if ks else 0.0)
+        own_iv = [iv for g in G for iv in g["own"]]
         gaps, a = [], (comp[i - 1][-1]["ts"] + comp[i - 1][-1]["dur"]) if i and comp[i - 1] else t0
         for k in ks:
             b = k["ts"]
@@ -157,7 +163,8 @@ def account(c: dict, labels: list[str] | None = None, bound: dict | None = None)
                     g["exposed_us"] += wait
                     g["consumer"] = g["consumer"] or k["name"][:60]
                 gaps.append(dict(at_us=round(a - t0, 1), us=round(b - a, 1), issue_us=round(ready - a, 1),
-                                 wait_us=round(wait, 1), gather=g["label"] if g else None, after=k["name"][:60]))
+                                 wait_us=round(wait, 1), gather=g["label"] if g else None, after=k["name"][:60],
+                                 beside_own_rows_us=round(overlap_length([(a, b)], own_iv), 1)))
             a = max(a, k["ts"] + k["dur"])
         copy_iv = [iv for g in G for iv in g["intervals"]]
         under = [overlap_length([(k["ts"], k["ts"] + k["dur"])], copy_iv) > 0 for k in ks]
@@ -178,6 +185,7 @@ def account(c: dict, labels: list[str] | None = None, bound: dict | None = None)
             compute_us=round(sum(k["dur"] for k in ks), 1), copy_us=round(union_length(copy_iv), 1),
             idle_us=round(sum(g["us"] for g in gaps), 1), issue_us=round(sum(g["issue_us"] for g in gaps), 1),
             exposed_us=round(sum(g["wait_us"] for g in gaps), 1),
+            idle_beside_own_rows_us=round(sum(g["beside_own_rows_us"] for g in gaps), 1),
             under_copy_us=round(sum(d for d, _ in mu), 1), under_copy_bound_us=round(sum(r for _, r in mu), 1),
             slowdown_under_copy=round(sum(d for d, _ in mu) / sum(r for _, r in mu), 4) if mu else None,
             slowdown_not_under=round(sum(d for d, _ in mn) / sum(r for _, r in mn), 4) if mn else None,
@@ -185,7 +193,7 @@ def account(c: dict, labels: list[str] | None = None, bound: dict | None = None)
         gaps_all.append(gaps)
     for G in gs:
         for g in G:
-            for k in ("start", "end", "intervals"):
+            for k in ("start", "end", "intervals", "own"):
                 g.pop(k, None)
     return dict(compute_stream=stream, iterations=iters, gathers=gs, gaps=gaps_all,
                 uncorrelated_copies=_uncorrelated(c))

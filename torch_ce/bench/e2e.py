@@ -29,10 +29,11 @@ prefetch] in torch_ce/runtime/prefetch.py; ``--prefetch-mib``, by default one de
 
 Reports ms per forward (median of per-iteration CUDA events), CE/NCCL and CE/bound, the
 CE output against the NCCL output, whether the generated code calls the magi ops, and the
-reorder summary. ``--trace`` profiles 3 iterations of the nccl, ce and bound variants on
+reorder summary. ``--trace`` profiles 3 iterations of the nccl, ce, ce_inbatch and bound variants on
 rank 0 and summarises the copy-engine activity, its overlap with compute, and the compute
-stream's idle gaps (no trace file is kept), and writes the per-gather account of nccl and
-ce against bound (account.py: bytes, copy time, GB/s, exposed time, compute slowdown)
+stream's idle gaps (no trace file is kept), and writes the per-gather account of each
+traced variant against bound (account.py: bytes, copy time, GB/s, exposed time, idle beside
+this rank's own-row copies, compute slowdown)
 as ``account_<model>_<world>.json`` and ``timeline_<model>_<world>.png`` (timeline.py).
 
 Writes ``<out>/e2e_<gpu>_w<world>.json`` (``e2e_<model>_<gpu>_w<world>.json`` for a zoo
@@ -62,7 +63,7 @@ from .zoo import MODELS
 VARIANTS = ("nccl", "ce", "ce_fixed", "ce_chunk", "ce_inbatch", "ce_fullrows", "ce_noreorder", "ce_prefetch", "bound", "nccl_cg",
             "ce_cg", "bound_cg")
 DEFAULT_VARIANTS = ("nccl", "ce", "ce_noreorder", "bound")
-TRACED = ("nccl", "ce", "bound")
+TRACED = ("nccl", "ce", "ce_inbatch", "bound")
 # *_cg: the same variant compiled with mode="reduce-overhead" (CUDA graphs): no per-op
 # CPU issue cost at replay.
 

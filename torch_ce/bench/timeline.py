@@ -75,6 +75,7 @@ def draw(plt, traced: dict, acct: dict):
         ax.set_xlim(0, span * 1.01)
         ax.set_title(f"{acct['model']}, world {acct['world_size']}, rank 0: {T} tokens, {v}, iteration {i}: "
                      f"span {it['span_us'] / 1e3:.2f} ms, exposed (red, us in brackets) {it['exposed_us']:.0f} us, "
+                     f"idle beside own rows {it.get('idle_beside_own_rows_us', 0):.0f} us, "
                      f"compute under copy {slow} bound", fontsize=8)
         ax.grid(True, axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("us from the iteration's start")
