@@ -354,7 +354,7 @@ def _rank_disagree(rank, world, seed, cache):
 
 
 def test_rank_disagreement_is_an_error_not_a_hang(tmp_path):
-    """NOTE [training graphs cannot fall back weight by weight] in runtime/binding.py."""
+    """NOTE [training graphs cannot fall back weight by weight] in runtime/agreement.py."""
     res = run_ranks(_rank_disagree, WORLD, seed_base(), str(tmp_path), timeout=120)
     for rank, msg in enumerate(res):
         assert "ranks disagree" in msg and "refused on rank 1" in msg and "host transport" in msg, (rank, msg)

@@ -63,7 +63,8 @@ from .runtime.gather import gather_rows, gather_slots
 _FUNCTIONAL = torch.ops._c10d_functional
 
 
-def _collective_gather(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+def _collective_gather(shard: torch.Tensor, group_size: int, group_name: str,
+                       wait: bool = False) -> torch.Tensor:
     """A refused shard's gather by the group's collective backend, in program order.
 
     # NOTE [gloo: one functional collective in flight]
@@ -73,9 +74,10 @@ def _collective_gather(shard: torch.Tensor, group_size: int, group_name: str) ->
     through ``dist.all_gather_into_tensor(async_op=True)``, never crashed:
     bench/compare/gloo_inflight.py). So on CPU a fallback gather is waited here (its
     graph's ``wait_tensor`` is then a no-op), and the reorder leaves graphs with collectives
-    on gloo in Inductor's order (passes/reorder.py). On CUDA (NCCL) nothing changes."""
+    on gloo in Inductor's order (passes/reorder.py). On CUDA (NCCL) nothing changes.
+    ``wait``: the caller consumes the result at once (a row gather's lookup)."""
     out = _FUNCTIONAL.all_gather_into_tensor(shard.contiguous(), group_size, group_name)
-    if out.device.type == "cpu":
+    if wait or out.device.type == "cpu":
         out = _FUNCTIONAL.wait_tensor(out)
     return out
 
@@ -179,8 +181,7 @@ def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, grou
         _check_group(entry, group_size, group_name)
         return gather_rows(shard, entry, ids)
     if isinstance(entry, W.Fallback):
-        full = _collective_gather(shard, group_size, group_name)
-        return torch.embedding(_FUNCTIONAL.wait_tensor(full), ids)
+        return torch.embedding(_collective_gather(shard, group_size, group_name, wait=True), ids)
     raise _unbound_error(shard, group_name, "ce_gather_rows")
 
 

@@ -152,11 +152,16 @@ def cleanup(torch, torch_ce) -> None:
         torch.cuda.empty_cache()
 
 
+def base_of(name: str) -> str:
+    """The variant a ``*_cg`` variant compiles for CUDA graphs (the name itself otherwise)."""
+    return name[:-3] if name.endswith("_cg") else name
+
+
 def peer_order_of(name: str, a: dict) -> dict:
     """``native.peer_order_as`` arguments of a variant: ce_fixed reads in the order before
     issue 16, ce_chunk in ``--peer-chunk-mib`` pieces (NOTE [peer order] in
     csrc/ce_copy.h); every other variant keeps the library's order."""
-    base = name[:-3] if name.endswith("_cg") else name
+    base = base_of(name)
     if base == "ce_fixed":
         return dict(order="fixed", chunk_mib=0)
     if base == "ce_chunk":
@@ -168,7 +173,7 @@ def split_local_of(name: str) -> bool:
     """``native.split_local_copy_as`` argument of a variant: ce_inbatch copies this rank's
     own rows inside the peer batch (the A/B of docs/perf-notes.md section 14); every other
     variant on the second copy stream, the library's default."""
-    base = name[:-3] if name.endswith("_cg") else name
+    base = base_of(name)
     return base != "ce_inbatch"
 
 
@@ -192,10 +197,10 @@ def run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool,
     # what it is given, so a previous variant's options would otherwise carry over (run 14).
     torch_ce.config.update(**dataclasses.asdict(from_env()))
     graphs = name.endswith("_cg")
-    base = name[:-3] if graphs else name
+    base = base_of(name)
     if base == "nccl":
         torch_ce.enable(transport="nccl", reorder=True)
-    elif base in ("ce", "ce_fixed", "ce_chunk", "ce_inbatch"):  # peer_order_of; ce_inbatch: bench e2e
+    elif base in ("ce", "ce_fixed", "ce_chunk", "ce_inbatch"):  # the rest: peer_order_of, split_local_of
         torch_ce.enable(transport="copy_engine", reorder=True)
     elif base == "ce_fullrows":  # the embedding gathered in full (no row gather), for the A/B
         torch_ce.enable(transport="copy_engine", reorder=True, row_gathers=False)

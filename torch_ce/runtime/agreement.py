@@ -158,3 +158,32 @@ def agree(cands: list, mine: list, everyone: dict[int, list]) -> list:
                 break
         out.append(why)
     return out
+
+
+def refuse_split_staging(cands: list, everyone: dict[int, list]) -> None:
+    """Raise (on every rank alike: all see the same descriptors) when the ranks split over
+    a training graph's weight: some stage it, some refused it.
+
+    # NOTE [training graphs cannot fall back weight by weight]
+    An inference bind refused by a peer falls back inside the op, gather by gather, in
+    program order, which matches the peers' collectives. A training graph also runs
+    gradient reduce-scatters on the same group, and a rank that refused a weight at
+    compile time (a rank-dependent config) has another graph: its gathers are plain
+    collectives that the reorder places among the reduce-scatters differently from the
+    CE gathers of its peers. Their collectives would then meet in different orders and
+    hang. A clear error at the first step is what is left."""
+    for i, c in enumerate(cands):
+        if c.stage_dtype is None:
+            continue
+        verdicts = {r: d[i] for r, d in everyone.items() if i < len(d)}
+        ok = sorted(r for r, d in verdicts.items() if not d[4])
+        if ok and len(ok) < len(verdicts):
+            no = {r: d[5] for r, d in verdicts.items() if d[4]}
+            raise BindError(
+                f"torch_ce: the ranks disagree on which weights of a training graph gather on "
+                f"the copy engine: {c.name} is staged on ranks {ok} and refused on "
+                + ", ".join(f"rank {r} ({why})" for r, why in sorted(no.items()))
+                + ". A training graph cannot fall back weight by weight (its collectives "
+                "would meet the gradient reduce-scatters in another order on each rank: NOTE "
+                "[training graphs cannot fall back weight by weight] in runtime/agreement.py). "
+                "Give every rank the same torch_ce config, or use transport='nccl'.")

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ..config import config
 from . import native
 from . import windows as W
-from .agreement import BindError, Round, agree, descriptor
+from .agreement import BindError, Round, agree, descriptor, refuse_split_staging
 from .eligibility import Reason, Refusal, refusal, shard_refusal
 
 log = logging.getLogger("torch_ce")
@@ -284,8 +284,9 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
         # 1. agree
         mine = [descriptor(c) for c in todo]
         everyone = rnd.exchange("agree", {"cands": mine, "token": uuid.uuid4().hex[:8]})
-        verdicts = agree(todo, mine, {r: v["cands"] for r, v in everyone.items()})
-        _refuse_split_staging(todo, {r: v["cands"] for r, v in everyone.items()})
+        theirs = {r: v["cands"] for r, v in everyone.items()}
+        verdicts = agree(todo, mine, theirs)
+        refuse_split_staging(todo, theirs)
         job = everyone[min(everyone)]["token"]
         chosen = []
         for c, why in zip(todo, verdicts):
@@ -350,35 +351,6 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
         res.bytes_bound += slot.nbytes
     if config.cost_mode == "calibrated":
         _calibrate(max((s for _, s in slots), key=lambda s: s.window.nbytes))
-
-
-def _refuse_split_staging(todo: list[Candidate], everyone: dict[int, list]) -> None:
-    """Raise (on every rank alike: all see the same descriptors) when the ranks split over
-    a training graph's weight: some stage it, some refused it.
-
-    # NOTE [training graphs cannot fall back weight by weight]
-    An inference bind refused by a peer falls back inside the op, gather by gather, in
-    program order, which matches the peers' collectives. A training graph also runs
-    gradient reduce-scatters on the same group, and a rank that refused a weight at
-    compile time (a rank-dependent config) has another graph: its gathers are plain
-    collectives that the reorder places among the reduce-scatters differently from the
-    CE gathers of its peers. Their collectives would then meet in different orders and
-    hang. A clear error at the first step is what is left."""
-    for i, c in enumerate(todo):
-        if c.stage_dtype is None:
-            continue
-        verdicts = {r: d[i] for r, d in everyone.items() if i < len(d)}
-        ok = sorted(r for r, d in verdicts.items() if not d[4])
-        if ok and len(ok) < len(verdicts):
-            no = {r: d[5] for r, d in verdicts.items() if d[4]}
-            raise BindError(
-                f"torch_ce: the ranks disagree on which weights of a training graph gather on "
-                f"the copy engine: {c.name} is staged on ranks {ok} and refused on "
-                + ", ".join(f"rank {r} ({why})" for r, why in sorted(no.items()))
-                + ". A training graph cannot fall back weight by weight (its collectives "
-                "would meet the gradient reduce-scatters in another order on each rank: NOTE "
-                "[training graphs cannot fall back weight by weight] in runtime/binding.py). "
-                "Give every rank the same torch_ce config, or use transport='nccl'.")
 
 
 def _open_windows(p: _PoolPlan, rnd: Round, tag: str, job: str) -> list:
