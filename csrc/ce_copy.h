@@ -125,8 +125,8 @@ inline bool batch_supported() {
 //   that the current stream (and so this copy stream) has waited on
 //   (NOTE [training: staged windows and step fences] in runtime/staging.py).
 // - flags = PreferOverlapWithCompute (a hint): the copies run beside the
-//   matmuls that consume the previous gather. TORCH_CE_COPY_OVERLAP_HINT=0
-//   drops it (an A/B knob, read once).
+//   matmuls that consume the previous gather (measured without it: no
+//   difference, docs/perf-notes.md section 12; the gather always sets it).
 // - location hints stay zero: they only matter for managed/pageable memory.
 // The stream must not be the legacy default stream (the API rejects it).
 inline cudaError_t batch(void* const* dsts, const void* const* srcs,

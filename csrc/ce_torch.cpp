@@ -2,8 +2,11 @@
 //
 // Built by setup.py into torch_ce/runtime/_ce_torch*.so, only against a CUDA
 // build of torch, and loaded with torch.ops.load_library
-// (torch_ce/runtime/native.py). On a CPU torch with nvcc, setup.py compiles it
-// (object only, not installed) so a broken source still fails the install.
+// (torch_ce/runtime/native.py): by nvcc together with ce_rows.cu, or, without
+// nvcc, by the host C++ compiler alone against CUDA runtime headers of torch's
+// CUDA version (NOTE [building without nvcc] in torch_ce/runtime/toolchain.py;
+// the row gather then runs a Triton kernel). On a CPU torch, setup.py compiles
+// it (object only, not installed) so a broken source still fails the install.
 //
 // # NOTE [native gather path]
 // The one CUDA gather of bound shards. A Python kernel cost ~80 us of CPU per
@@ -32,7 +35,6 @@
 // consumer's wait_tensor joins the copy streams back before any use or free of
 // the outputs.
 
-#include <cstdlib>
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -44,6 +46,14 @@
 #include <torch/library.h>
 
 #include <cuda_runtime_api.h>
+
+// NOTE [building without nvcc]: headers of another CUDA major version than the
+// runtime's give another cudaMemcpyBatchAsync ABI. setup.py refuses them first
+// (naming both versions); this catches a different cuda_runtime_api.h found first.
+#if defined(TORCH_CE_RUNTIME_CUDA_MAJOR) && \
+    (CUDART_VERSION / 1000 != TORCH_CE_RUNTIME_CUDA_MAJOR)
+#error "torch_ce: cuda_runtime_api.h is not of torch's CUDA major version (torch.version.cuda)"
+#endif
 
 #include <atomic>
 #include <memory>
@@ -293,12 +303,8 @@ std::vector<at::Tensor> gather_slots(
                     std::vector<size_t>& z, cudaStream_t st) {
     if (d.empty()) return;
     if (!capturing && batch_ok()) {
-      static const bool overlap_hint = [] {
-        const char* v = std::getenv("TORCH_CE_COPY_OVERLAP_HINT");
-        return !(v != nullptr && v[0] == '0');
-      }();
       CE_CUDA_CHECK(torch_ce_copy::batch(d.data(), s.data(), z.data(),
-                                         d.size(), overlap_hint, st),
+                                         d.size(), /*prefer_overlap=*/true, st),
                     "cudaMemcpyBatchAsync");
     } else {
       size_t failed = 0;
@@ -403,11 +409,17 @@ at::Tensor gather_rows(const at::Tensor& shard, const at::Tensor& ids,
   const int64_t rows = slot->shape[0];
   if (flat.numel() == 0 || rows == 0) return out;
   const auto cur = c10::cuda::getCurrentCUDAStream(shard.device().index());
+#ifdef TORCH_CE_ROW_KERNEL
   CE_CUDA_CHECK(torch_ce_rows::launch_gather_rows(
                     slot->peer_ptrs.data(), static_cast<int>(group_size),
                     flat.data_ptr(), flat.scalar_type() == at::kLong, flat.numel(),
                     rows, slot->nbytes / rows, out.data_ptr(), cur.stream()),
                 "row gather kernel launch");
+#else
+  (void)cur;
+  TORCH_CHECK(false, "torch_ce: gather_rows: built without nvcc, so without the CUDA row "
+              "kernel (csrc/ce_rows.cu); the Triton row kernel serves (runtime/rows_triton.py)");
+#endif
   return out;
 }
 
@@ -466,6 +478,22 @@ void set_prefetch_pending(bool pending) {
   g_prefetch_pending.store(pending, std::memory_order_relaxed);
 }
 
+// How this library was built, for explain(): the compiler, the CUDA headers'
+// CUDART_VERSION, and whether the CUDA row kernel (ce_rows.cu) is in it.
+std::string build_info() {
+#ifdef TORCH_CE_BUILT_WITH_NVCC
+  std::string tool = "nvcc";
+#else
+  std::string tool = "host C++ compiler";
+#endif
+#ifdef TORCH_CE_ROW_KERNEL
+  const char* rows = "cuda";
+#else
+  const char* rows = "none";
+#endif
+  return tool + ";" + std::to_string(CUDART_VERSION) + ";" + rows;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torch_ce_native, m) {
@@ -482,6 +510,7 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("set_split_local_copy(bool split) -> ()", &set_split_local_copy);
   m.def("set_peer_order(int order, int chunk_bytes) -> ()", &set_peer_order);
   m.def("set_prefetch_pending(bool pending) -> ()", &set_prefetch_pending);
+  m.def("build_info() -> str", &build_info);
 }
 
 TORCH_LIBRARY_IMPL(magi, CUDA, m) {

@@ -3,7 +3,7 @@ says so once, loudly, and stays exact.
 
 A CUDA job whose C++ kernels were not built takes this path (``native.kernel_refusal``);
 here 2 gloo ranks take it for CPU weights through the test hook
-``native._force_unavailable = {"cpu"}``: a compiled SimpleFSDP model binds nothing, every
+``native.kernels_unavailable("cpu")``: a compiled SimpleFSDP model binds nothing, every
 weight is refused with NO_GATHER_KERNEL, no gather reads a window, one warning (and one
 log record) names why and how to fix it, and the output equals eager exactly.
 """
@@ -33,6 +33,14 @@ def _model(world: int, seed: int):
 
 
 def _rank(rank, world, cache_root, seed):
+    from torch_ce.runtime import native
+
+    setup_compile(cache_root, rank)
+    with native.kernels_unavailable("cpu"):
+        return _rank_without_kernels(seed, world)
+
+
+def _rank_without_kernels(seed, world):
     import warnings
 
     import torch_ce
@@ -41,8 +49,6 @@ def _rank(rank, world, cache_root, seed):
     from torch_ce.runtime import windows as W
     from torch_ce.runtime.eligibility import Reason
 
-    setup_compile(cache_root, rank)
-    native._force_unavailable = {"cpu"}
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -85,7 +91,7 @@ def test_no_kernel_keeps_gathers_on_the_collective(tmp_path):
         # One loud warning per process, however many weights were refused, and one log line.
         assert len(r["warnings"]) == 1 and len(r["logged"]) == 1, r
         msg = r["warnings"][0]
-        assert "_force_unavailable" in msg and "pip install" in msg and "TORCH_CE_CUDA_TORCH_FALLBACK=1" in msg, msg
+        assert "kernels_unavailable" in msg and "pip install" in msg and "TORCH_CE_CUDA_TORCH_FALLBACK=1" in msg, msg
         # Every weight refused with NO_GATHER_KERNEL, in the bind's report and the registry.
         assert r["code"] and "no cpu gather kernel" in r["refusal"], r
         assert r["bound"] == [0] and len(r["skipped"]) == 1, r

@@ -1,25 +1,33 @@
 """The C++ kernels of the magi gathers (csrc/ce_torch.cpp, NOTE [native gather path]).
 
-Loaded once, at import of ``torch_ce.ops``, when the library was built (CUDA build of
-torch and nvcc at install) and ``TORCH_CE_NATIVE`` is not 0. Loaded, they are the one CUDA
+Loaded once, at import of ``torch_ce.ops``, when the library was built (a CUDA build of
+torch at install; nvcc or the host compiler, NOTE [building without nvcc] in
+runtime/toolchain.py) and ``TORCH_CE_NATIVE`` is not 0. Loaded, they are the one CUDA
 gather: ``magi::ce_all_gather[_coalesced]`` on CUDA, and the bound members of whatever
 bucket they hand to the Python kernel (``gather_bound``). Their slot index mirrors the
-registry of ``windows.py``, whose ``register``/``release_all`` alone write it.
+registry of ``windows.py``, whose ``register``/``release_all`` alone write it. The row
+gather runs the CUDA row kernel when nvcc built it (csrc/ce_rows.cu), else the Triton one
+(runtime/rows_triton.py): ``row_path()``.
 
-The order of a gather's peer reads (NOTE [peer order] in csrc/ce_copy.h) is read once from
-the environment and can be changed at run time (``peer_order_as``, for A/B runs):
+# NOTE [experiment knobs]
+The variables below are not configuration: they exist for A/B runs. They are read here
+only, once, when the kernels load (``knobs()``), validated (a bad value raises then), and
+pushed to C++; the hot path reads atomics, never the environment. A run changes them with
+the scoped ``peer_order_as`` / ``split_local_copy_as``, which restore what was set before.
 
-  TORCH_CE_PEER_ORDER       rotated (default) | rotated-member | fixed (the order before
-                            issue 16: every rank reads rank 0 first)
+  TORCH_CE_NATIVE           0: leave the C++ kernels unloaded
+  TORCH_CE_PEER_ORDER       the order of a gather's peer reads (NOTE [peer order] in
+                            csrc/ce_copy.h): rotated (default) | rotated-member | fixed
+                            (every rank reads rank 0 first); kept until four GPUs measured it
   TORCH_CE_PEER_CHUNK_MIB   0 (default: whole slabs) or the piece size of the chunked
                             interleave, rounded down to 512 bytes
 
 The pure-torch fallback follows the rotation (``gather.copy_peers``), not the chunking.
 
 Not loaded, CUDA weights stay on the collective (``kernel_refusal`` refuses them at bind,
-with one loud warning) unless ``config.cuda_torch_fallback`` opts in to per-peer ``copy_``
-(runtime/gather.py). CPU weights need nothing compiled: the host transport's memcpy is
-their kernel.
+with one loud warning that names the command that builds the kernels) unless
+``config.cuda_torch_fallback`` opts in to per-peer ``copy_`` (runtime/gather.py). CPU
+weights need nothing compiled: the host transport's memcpy is their kernel.
 """
 from __future__ import annotations
 
@@ -33,19 +41,17 @@ import warnings
 
 import torch
 
+from . import toolchain
 from .eligibility import Reason, Refusal, refusal
 
 log = logging.getLogger("torch_ce")
 
 _state: list = []  # [loaded: bool, why not: str] once decided
-# Test hook: device types whose gather kernel counts as missing ("cpu" lets a CPU test
-# take the path a CUDA job without the C++ kernels takes).
-_force_unavailable: set[str] = set()
+# Device types whose gather kernel counts as missing, inside ``kernels_unavailable``.
+_unavailable: list[str] = []
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
-
-_FIX = ("install a CUDA build of torch and nvcc, then `pip install --no-build-isolation -e .` "
-        "from the torch_ce source tree (without TORCH_CE_SKIP_CUDA_BUILD; unset TORCH_CE_NATIVE=0)")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def library_path() -> str | None:
@@ -53,9 +59,27 @@ def library_path() -> str | None:
     return found[0] if found else None
 
 
+def build_command() -> str:
+    """The one command that builds the C++ kernels for this interpreter and torch."""
+    return toolchain.build_command(torch, _PACKAGE)
+
+
+@contextlib.contextmanager
+def kernels_unavailable(*device_types: str):
+    """Test hook: inside, the gather kernels of ``device_types`` count as missing (``"cpu"``
+    lets a CPU test take the path a CUDA job without the C++ kernels takes)."""
+    _unavailable.extend(device_types)
+    try:
+        yield
+    finally:
+        for d in device_types:
+            _unavailable.remove(d)
+
+
 # NOTE [peer order] in csrc/ce_copy.h: name -> the C++ enum PeerOrder.
 PEER_ORDERS = {"fixed": 0, "rotated": 1, "rotated-member": 2}
-_peer: dict = {}  # "order", "chunk_bytes": from the environment on first use
+_knobs: dict = {}  # NOTE [experiment knobs]: read once
+_now: dict = {}  # what the gathers use now: "order", "chunk_bytes", "split_local"
 
 
 def chunk_bytes(mib: float) -> int:
@@ -66,24 +90,35 @@ def chunk_bytes(mib: float) -> int:
     return 0 if mib == 0 else max(512, int(mib * 2**20) // 512 * 512)
 
 
-def _peer_from_env() -> dict:
-    order = os.environ.get("TORCH_CE_PEER_ORDER", "").strip().lower() or "rotated"
+def read_knobs(environ=None) -> dict:
+    """NOTE [experiment knobs] from ``environ`` (default: the process environment),
+    validated: native (bool), order (a PEER_ORDERS name), chunk_bytes."""
+    environ = os.environ if environ is None else environ
+    native = environ.get("TORCH_CE_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    order = environ.get("TORCH_CE_PEER_ORDER", "").strip().lower() or "rotated"
     if order not in PEER_ORDERS:
         raise ValueError(f"torch_ce: TORCH_CE_PEER_ORDER={order!r}: expected one of {sorted(PEER_ORDERS)}")
-    raw = os.environ.get("TORCH_CE_PEER_CHUNK_MIB", "").strip() or "0"
+    raw = environ.get("TORCH_CE_PEER_CHUNK_MIB", "").strip() or "0"
     try:
         chunk = chunk_bytes(float(raw))
     except ValueError:
         raise ValueError(f"torch_ce: TORCH_CE_PEER_CHUNK_MIB={raw!r}: expected a number of "
                          "MiB >= 0") from None
-    return dict(order=order, chunk_bytes=chunk)
+    return dict(native=native, order=order, chunk_bytes=chunk)
+
+
+def knobs() -> dict:
+    """The experiment knobs, read from the environment on the first call only."""
+    if not _knobs:
+        _knobs.update(read_knobs())
+        _now.update(order=_knobs["order"], chunk_bytes=_knobs["chunk_bytes"], split_local=True)
+    return _knobs
 
 
 def peer_order() -> tuple[str, int]:
     """(order name, chunk bytes) of the gathers' peer reads now."""
-    if not _peer:
-        _peer.update(_peer_from_env())
-    return _peer["order"], _peer["chunk_bytes"]
+    knobs()
+    return _now["order"], _now["chunk_bytes"]
 
 
 @contextlib.contextmanager
@@ -93,34 +128,36 @@ def peer_order_as(order: str | None = None, chunk_mib: float | None = None):
     prev = peer_order()
     if order is not None and order not in PEER_ORDERS:
         raise ValueError(f"torch_ce: peer order {order!r}: expected one of {sorted(PEER_ORDERS)}")
-    _peer.update(order=prev[0] if order is None else order,
-                 chunk_bytes=prev[1] if chunk_mib is None else chunk_bytes(chunk_mib))
-    _push_peer_order()
+    _now.update(order=prev[0] if order is None else order,
+                chunk_bytes=prev[1] if chunk_mib is None else chunk_bytes(chunk_mib))
+    _push()
     try:
         yield
     finally:
-        _peer.update(order=prev[0], chunk_bytes=prev[1])
-        _push_peer_order()
+        _now.update(order=prev[0], chunk_bytes=prev[1])
+        _push()
 
 
-def _push_peer_order() -> None:
-    order, chunk = peer_order()
+def _push() -> None:
+    """What the gathers use now, into the C++ atomics."""
+    knobs()
     if loaded():
-        torch.ops.torch_ce_native.set_peer_order(PEER_ORDERS[order], chunk)
+        torch.ops.torch_ce_native.set_peer_order(PEER_ORDERS[_now["order"]], _now["chunk_bytes"])
+        torch.ops.torch_ce_native.set_split_local_copy(bool(_now["split_local"]))
 
 
 def load() -> bool:
     """Load the C++ kernels once; False (the reason kept for ``kernel_refusal``) when they
-    cannot serve."""
+    cannot serve. Reads NOTE [experiment knobs] (a bad value raises here, loudly)."""
     if _state:
         return _state[0]
     ok, why = False, ""
-    if os.environ.get("TORCH_CE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not knobs()["native"]:
         why = "TORCH_CE_NATIVE=0"
     elif torch.version.cuda is None:
         why = f"torch {torch.__version__} is a CPU build"
     elif library_path() is None:
-        why = "csrc/ce_torch.cpp was not built (needs nvcc and a CUDA build of torch at install)"
+        why = "csrc/ce_torch.cpp was not built"
     else:
         try:
             torch.ops.load_library(library_path())
@@ -130,7 +167,7 @@ def load() -> bool:
     if not ok:
         log.debug("torch_ce: C++ gather kernels not in use: %s", why)
     _state[:] = [ok, why]
-    _push_peer_order()  # the environment's order (a bad value raises here, loudly)
+    _push()
     return ok
 
 
@@ -140,8 +177,8 @@ def loaded() -> bool:
 
 def _missing(device_type: str) -> str | None:
     """Why ``device_type`` has no gather kernel here (None: it has one)."""
-    if device_type in _force_unavailable:
-        return f"disabled for {device_type!r} by native._force_unavailable (a test hook)"
+    if device_type in _unavailable:
+        return f"disabled for {device_type!r} by native.kernels_unavailable (a test hook)"
     if device_type == "cuda" and not load():
         return _state[1]
     return None
@@ -177,7 +214,8 @@ def _warn_once(device_type: str, why: str) -> None:
         _warned.add(device_type)
     msg = (f"torch_ce: transport='copy_engine' but the C++ gather kernels (csrc/ce_torch.cpp) "
            f"are not available: {why}. Every {device_type} weight gather stays on the "
-           f"collective backend (NCCL); nothing runs on the copy engines. To fix: {_FIX}. "
+           f"collective backend (NCCL); nothing runs on the copy engines. To build them: "
+           f"{build_command()}. "
            "To use the slow pure-torch fallback (per-peer copy_, slower than NCCL) instead: "
            "TORCH_CE_CUDA_TORCH_FALLBACK=1 or torch_ce.config.update(cuda_torch_fallback=True).")
     log.warning("%s", msg)
@@ -185,35 +223,88 @@ def _warn_once(device_type: str, why: str) -> None:
 
 
 def kernel_path(device_type: str) -> str:
-    """Which gather serves bound ``device_type`` shards, in words (for ``explain()``)."""
+    """Which gather serves bound ``device_type`` shards, in words (for ``explain()``): the
+    library and how it was built, the row gather's kernel; when CUDA kernels are missing,
+    the one command that builds them."""
     if device_type not in ("cuda", "cpu"):
         return f"none: gathers stay on the collective (unsupported device {device_type})"
     refused = _refusal(device_type)
     if refused is not None:
-        return f"none: gathers stay on the collective ({refused.text})"
+        fix = f". To build the kernels: {build_command()}" if refused.code == Reason.NO_GATHER_KERNEL \
+            and device_type == "cuda" else ""
+        return f"none: gathers stay on the collective ({refused.text}){fix}"
     if device_type == "cpu":
         return "host transport (shared-memory memcpy)"
     if loaded():
-        return "C++ kernels (csrc/ce_torch.cpp)"
-    return "pure-torch fallback (opted in, slow)"
+        tool, headers, _ = build_info()
+        rows, why = row_path()
+        rows_text = {"cuda": "CUDA kernel (csrc/ce_rows.cu)",
+                     "triton": "Triton kernel (runtime/rows_triton.py)"}.get(
+            rows, f"pure-torch take_rows ({why}; slow: syncs per peer)")
+        return (f"C++ kernels (csrc/ce_torch.cpp, built by {tool} against CUDA {headers} "
+                f"headers); row gather: {rows_text}")
+    return f"pure-torch fallback (opted in, slow). To build the kernels: {build_command()}"
+
+
+def build_info() -> tuple[str, str, str]:
+    """(compiler, CUDA header version "13.0", row kernel "cuda" | "none") of the loaded
+    library."""
+    try:
+        tool, version, rows = str(torch.ops.torch_ce_native.build_info()).split(";")
+    except (AttributeError, RuntimeError):  # a library built before it said so: nvcc's
+        return "nvcc", "?", "cuda"
+    v = int(version)
+    return tool, f"{v // 1000}.{v % 1000 // 10}", rows
+
+
+_rows: list = []  # [path, why] once decided
+
+
+def row_path() -> tuple[str | None, str]:
+    """(kernel, why) of CUDA row gathers: "cuda" (csrc/ce_rows.cu, built by nvcc),
+    "triton" (runtime/rows_triton.py), or None (gather.take_rows) with the reason."""
+    if not _rows:
+        if not loaded():
+            _rows[:] = [None, "the C++ kernels are not loaded"]
+        elif build_info()[2] == "cuda":
+            _rows[:] = ["cuda", ""]
+        else:
+            from . import rows_triton
+
+            why = rows_triton.unavailable()
+            _rows[:] = [None, why] if why else ["triton", ""]
+    return _rows[0], _rows[1]
+
+
+_row_tables: dict = {}  # this rank's key -> (device table of owners' addresses, slot)
 
 
 def register_slot(slot) -> None:
-    """Mirror a published CUDA slot into the C++ index (keyed by this rank's address).
-    Called by ``windows.register`` only."""
+    """Mirror a published CUDA slot into the C++ index (keyed by this rank's address), and,
+    when the Triton kernel serves the row gather, its owners' address table. Called by
+    ``windows.register`` only."""
     w = slot.window
+    key = int(slot.peer_ptrs[w.rank])
     torch.ops.torch_ce_native.register_slot(
-        int(slot.peer_ptrs[w.rank]), [int(p) for p in slot.peer_ptrs], w.rank, slot.nbytes,
+        key, [int(p) for p in slot.peer_ptrs], w.rank, slot.nbytes,
         slot.dtype, list(slot.shape), w.group.group_name)
+    if row_path()[0] == "triton":
+        from . import rows_triton
+
+        _row_tables[key] = (rows_triton.table(slot.peer_ptrs, w.device), slot)
+    else:
+        _row_tables.pop(key, None)
 
 
 def unregister(key: int) -> None:
     """Drop the C++ index's entry at ``key`` (``windows.register`` replaced it)."""
+    _row_tables.pop(int(key), None)
     if loaded():
         torch.ops.torch_ce_native.unregister_slot(int(key))
 
 
 def clear() -> None:
+    _row_tables.clear()
     if loaded():
         torch.ops.torch_ce_native.clear_slots()
 
@@ -228,26 +319,49 @@ def gather_bound(shards: list[torch.Tensor], group_size: int) -> list[torch.Tens
 
 
 def gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The C++ row gather of a bound CUDA shard (NOTE [row kernel] in csrc/ce_rows.cu)."""
-    return torch.ops.torch_ce_native.gather_rows(shard, ids, group_size)
+    """The row gather of a bound CUDA shard (NOTE [row kernel] in csrc/ce_rows.cu), by the
+    kernel ``row_path()`` names; without one, ``gather.take_rows``."""
+    path = row_path()[0]
+    if path == "cuda":
+        return torch.ops.torch_ce_native.gather_rows(shard, ids, group_size)
+    entry = _row_tables.get(shard.data_ptr())
+    if path == "triton" and entry is not None:
+        from . import rows_triton
+
+        peers, slot = entry
+        if slot.group_size != group_size or slot.dtype != shard.dtype or tuple(slot.shape) != tuple(shard.shape):
+            raise RuntimeError("torch_ce: gather_rows: the shard does not match its slot "
+                               "(dtype, shape or group size)")
+        return rows_triton.gather_rows(peers, slot.peer_ptrs, slot.shape, slot.dtype, ids)
+    from . import gather, windows
+
+    return gather.take_rows(windows.lookup(shard), ids)
 
 
 def set_split_local_copy(split: bool) -> None:
     """Copy this rank's own rows on a second copy stream (default) or inside the peer batch."""
-    if loaded():
-        torch.ops.torch_ce_native.set_split_local_copy(bool(split))
+    knobs()
+    _now["split_local"] = bool(split)
+    _push()
+
+
+def split_local_copy() -> bool:
+    """Whether gathers copy this rank's own rows on the second copy stream now."""
+    knobs()
+    return bool(_now["split_local"])
 
 
 @contextlib.contextmanager
 def split_local_copy_as(split: bool):
     """Gathers issued inside copy this rank's own rows on the second copy stream (True, the
-    default) or inside the peer batch (False); back to the default on exit (A/B runs:
-    bench ops' ce1_inbatch, bench e2e's ce_inbatch)."""
+    default) or inside the peer batch (False); the previous setting comes back on exit
+    (A/B runs: bench ops' ce1_inbatch, bench e2e's ce_inbatch)."""
+    prev = split_local_copy()
     set_split_local_copy(split)
     try:
         yield
     finally:
-        set_split_local_copy(True)
+        set_split_local_copy(prev)
 
 
 def set_prefetch_pending(pending: bool) -> None:
