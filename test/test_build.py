@@ -1,12 +1,18 @@
-"""The one compiled piece, csrc/ce_torch.cpp: built and loaded against a CUDA torch,
-compile-checked (not installed) against a CPU torch with nvcc, absent without nvcc.
+"""The one compiled piece, csrc/ce_torch.cpp: built and loaded against a CUDA torch (by
+nvcc, or by the host compiler against CUDA headers of torch's runtime version: NOTE
+[building without nvcc] in torch_ce/runtime/toolchain.py), compile-checked (not installed)
+against a CPU torch.
 
 The install itself runs the compile check on CPU machines with nvcc (dev, CI), so a broken
-source fails there; these tests check that the check can fail, and what is loaded.
+source fails there; these tests check that the check can fail, what is loaded, and, with a
+stand-in torch, every build choice: the arch list, the headers (a version mismatch refused
+naming both versions), and the one command that builds the kernels.
 """
 
 import importlib.util
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -23,14 +29,15 @@ def _setup_module():
 
 
 S = _setup_module()
-_build_expected = S.find_nvcc() is not None and os.environ.get("TORCH_CE_SKIP_CUDA_BUILD", "0") in ("", "0")
+T = S.T  # torch_ce/runtime/toolchain.py, as setup.py loads it
+_build_expected = os.environ.get("TORCH_CE_SKIP_CUDA_BUILD", "0") in ("", "0")
 requires_nvcc = pytest.mark.skipif(S.find_nvcc() is None, reason="needs nvcc")
 
 
 def _check(tmp_path, text: str) -> None:
     src = tmp_path / "tu.cpp"
     src.write_text(text)
-    flags, _ = S.torch_flags()
+    flags = S.torch_flags()
     cwd = os.getcwd()
     os.chdir(ROOT)  # the check includes csrc/ relative to the source tree, as setup.py does
     try:
@@ -63,13 +70,39 @@ def test_torch_kernels_follow_the_torch_build():
     if torch.version.cuda is None or not _build_expected:
         assert native.library_path() is None
         assert not native.load() and native.slot_count() == 0
-        native.set_split_local_copy(False)  # a no-op without the kernels, never an error
+        with native.split_local_copy_as(False):  # no kernels to push to, never an error
+            assert not native.split_local_copy()
     else:
         assert native.library_path() is not None, "csrc/ce_torch.cpp was not built"
         assert native.load() == (os.environ.get("TORCH_CE_NATIVE", "1") != "0")
+        if native.loaded():  # says how it was built, and which row kernel serves
+            tool, headers, rows = native.build_info()
+            assert headers == ".".join(torch.version.cuda.split(".")[:2]), (headers, torch.version.cuda)
+            assert rows == ("cuda" if tool == "nvcc" else "none"), (tool, rows)
+            assert native.row_path()[0] == ("cuda" if rows == "cuda" else "triton"), native.row_path()
+            print("kernel path:", native.kernel_path("cuda"))
     # The Python kernel is reachable under its own name either way.
     assert torch.ops.torch_ce.gather_python.default is not None
 
+
+
+def test_compile_check_with_the_host_compiler(tmp_path):
+    """The no-nvcc build's compiler: ce_copy.h and torch's c10/cuda headers compile with the
+    host C++ compiler against the CUDA runtime headers toolchain.choose_headers picks (of
+    torch's CUDA version on a CUDA torch; skipped where none are installed)."""
+    h = T.choose_headers(torch, None)
+    if not h.dirs or T.find_cxx() is None:
+        pytest.skip(f"no CUDA runtime headers with crt/ for the host compiler ({h.problem})")
+    src = tmp_path / "tu.cpp"
+    src.write_text('#include <c10/cuda/CUDAStream.h>\n#include "ce_copy.h"\n'
+                   "bool f() { return torch_ce_copy::batch_supported(); }\n")
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        S.compile_check(None, str(src), S.torch_flags(), str(tmp_path / "build"), include_dirs=h.dirs)
+    finally:
+        os.chdir(cwd)
+    assert (tmp_path / "build" / "ce_torch_check.o").stat().st_size > 0
 
 
 _PLAN_MAIN = r"""
@@ -136,11 +169,14 @@ def test_read_plan_of_the_cpp_gather(tmp_path):
 
 
 def test_peer_order_knobs(monkeypatch):
-    """TORCH_CE_PEER_ORDER / TORCH_CE_PEER_CHUNK_MIB: read once, bad values raise,
-    ``peer_order_as`` changes and restores them (whether or not the kernels are loaded)."""
+    """NOTE [experiment knobs]: TORCH_CE_PEER_ORDER / TORCH_CE_PEER_CHUNK_MIB read once
+    (a later change of the environment does nothing), bad values raise, ``peer_order_as``
+    and ``split_local_copy_as`` change and restore the previous setting (whether or not the
+    kernels are loaded)."""
     from torch_ce.runtime import native
 
-    monkeypatch.setattr(native, "_peer", {})
+    monkeypatch.setattr(native, "_knobs", {})
+    monkeypatch.setattr(native, "_now", {})
     monkeypatch.setenv("TORCH_CE_PEER_ORDER", "fixed")
     monkeypatch.setenv("TORCH_CE_PEER_CHUNK_MIB", "0.25")
     assert native.peer_order() == ("fixed", 2**18)
@@ -150,15 +186,156 @@ def test_peer_order_knobs(monkeypatch):
         assert native.peer_order() == ("rotated-member", 0)
         with native.peer_order_as(chunk_mib=1e-6):
             assert native.peer_order() == ("rotated-member", 512)
+        assert native.peer_order() == ("rotated-member", 0)
     assert native.peer_order() == ("fixed", 2**18)
     with pytest.raises(ValueError, match="peer order"):
         with native.peer_order_as("backwards"):
             pass
+    assert native.split_local_copy()
+    with native.split_local_copy_as(False):
+        with native.split_local_copy_as(True):
+            assert native.split_local_copy()
+        assert not native.split_local_copy()  # the previous value, not the default
+    assert native.split_local_copy()
+    good = {"TORCH_CE_PEER_ORDER": "rotated", "TORCH_CE_PEER_CHUNK_MIB": "0"}
+    assert native.read_knobs(good) == dict(native=True, order="rotated", chunk_bytes=0)
+    assert not native.read_knobs(dict(good, TORCH_CE_NATIVE="0"))["native"]
     for env, bad in (("TORCH_CE_PEER_ORDER", "reverse"), ("TORCH_CE_PEER_CHUNK_MIB", "-1"),
                      ("TORCH_CE_PEER_CHUNK_MIB", "lots")):
-        monkeypatch.setattr(native, "_peer", {})
-        monkeypatch.setenv("TORCH_CE_PEER_ORDER", "rotated")
-        monkeypatch.setenv("TORCH_CE_PEER_CHUNK_MIB", "0")
-        monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
-            native.peer_order()
+            native.read_knobs(dict(good, **{env: bad}))
+
+
+def test_no_getenv_in_the_gather():
+    """No knob is read from the environment in C++ (NOTE [experiment knobs]: Python reads
+    them once and pushes them)."""
+    for name in ("ce_torch.cpp", "ce_copy.h", "ce_rows.cu"):
+        with open(os.path.join(ROOT, "csrc", name)) as f:
+            assert "getenv" not in f.read(), name
+
+
+# ---------------------------------------------------------------------------------------
+# Build choices, with a stand-in torch (no GPU, no CUDA toolkit needed)
+# ---------------------------------------------------------------------------------------
+
+
+def _fake_torch(tmp_path, cuda="13.0", caps=(), arch_list=()):
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True, exist_ok=True)
+    cuda_mod = types.SimpleNamespace(
+        is_available=lambda: bool(caps), device_count=lambda: len(caps),
+        get_device_capability=lambda i: caps[i], get_arch_list=lambda: list(arch_list))
+    return types.SimpleNamespace(__file__=str(site / "torch" / "__init__.py"), __version__="2.11.0",
+                                 version=types.SimpleNamespace(cuda=cuda), cuda=cuda_mod)
+
+
+def _headers(root, version: int, crt: bool = True):
+    """A CUDA header set: cuda_runtime_api.h of CUDART_VERSION ``version`` (+ crt/)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "cuda_runtime_api.h").write_text(f"#pragma once\n#define CUDART_VERSION  {version}\n")
+    if crt:
+        (root / "crt").mkdir(exist_ok=True)
+        (root / "crt" / "host_defines.h").write_text("#pragma once\n")
+    return str(root)
+
+
+@pytest.fixture
+def isolated(monkeypatch, tmp_path):
+    """Only the stand-in's site dir and no system toolkit are looked at."""
+    monkeypatch.setattr(T, "_site_dirs", lambda torch: [str(tmp_path / "site")])
+    monkeypatch.setattr(T, "TOOLKIT_ROOTS", ())
+    return tmp_path
+
+
+def test_arch_list_comes_from_the_visible_gpus(tmp_path):
+    """No TORCH_CE_CUDA_ARCH: the visible GPUs' capabilities (an H200 and a B200: 90 and
+    100), else TORCH_CUDA_ARCH_LIST, else torch's own arch list, else nvcc's default."""
+    env = {}
+    h200_b200 = _fake_torch(tmp_path, caps=[(10, 0), (9, 0), (9, 0)], arch_list=["sm_80"])
+    assert T.default_arch_list(h200_b200, env) == (["90", "100"], "the visible GPU(s)")
+    assert T.default_arch_list(_fake_torch(tmp_path, caps=[(8, 0)]), env)[0] == ["80"]  # A100
+    no_gpu = _fake_torch(tmp_path, arch_list=["sm_80", "sm_90", "sm_100", "compute_120"])
+    assert T.default_arch_list(no_gpu, env) == (["80", "90", "100"], "torch.cuda.get_arch_list()")
+    assert T.default_arch_list(no_gpu, {"TORCH_CUDA_ARCH_LIST": "8.0;9.0+PTX"}) == (["80", "90"], "TORCH_CUDA_ARCH_LIST")
+    assert T.default_arch_list(h200_b200, {"TORCH_CE_CUDA_ARCH": "9.0 10.0"}) == (["90", "100"], "TORCH_CE_CUDA_ARCH")
+    assert T.default_arch_list(_fake_torch(tmp_path), env)[0] == []
+    assert T.gencode_flags(["90", "100"]) == ["-gencode", "arch=compute_90,code=sm_90", "-gencode",
+                                              "arch=compute_100,code=sm_100", "-gencode",
+                                              "arch=compute_100,code=compute_100"]
+    assert T.gencode_flags([]) == []
+    with pytest.raises(ValueError, match="bad CUDA arch"):
+        T.parse_arch_list("hopper")
+    with pytest.raises(SystemExit, match="TORCH_CE_CUDA_ARCH"):
+        S.gencode_flags("90;x")
+
+
+def test_headers_of_another_cuda_version_are_refused_naming_both(isolated):
+    """CUDA 12.8 headers (triton's bundle) against a 13.0 runtime: refused at build time,
+    the message naming both versions and the wheel that brings matching crt/ headers."""
+    torch13 = _fake_torch(isolated)
+    triton = _headers(isolated / "triton_include", 12080)
+    h = T.choose_headers(torch13, None, {"TORCH_CE_CUDA_INCLUDE": triton})
+    assert h.dirs == [] and "CUDA 12.8" in h.problem and "CUDA 13.0" in h.problem, h
+    assert "nvidia-cuda-crt==13.0.*" in h.problem, h
+    # A newer minor than the runtime's is refused too; an older one of the same major is not.
+    assert T.version_problem((13, 1), (13, 0), "x") is not None
+    assert T.version_problem((13, 0), (13, 2), "x") is None
+    assert T.version_problem((12, 8), None, "x") is None  # a CPU torch links nothing
+
+
+def test_headers_from_the_torch_wheels_and_an_older_nvcc_passed_over(isolated):
+    """torch's CUDA 13 wheels hold cuda_runtime_api.h but not crt/ (a problem, with the
+    fix); with nvidia-cuda-crt installed beside them they build. A system nvcc of CUDA 12.8
+    is passed over for them, and a matching nvcc is chosen first."""
+    torch13 = _fake_torch(isolated)
+    wheels = isolated / "site" / "nvidia" / "cu13" / "include"
+    _headers(wheels, 13000, crt=False)
+    h = T.choose_headers(torch13, None, {})
+    assert h.dirs == [] and "crt/host_defines.h" in h.problem and "nvidia-cuda-crt==13.0.*" in h.problem, h
+    _headers(wheels, 13000)
+    h = T.choose_headers(torch13, None, {})
+    assert h.dirs == [str(wheels)] and not h.nvcc and "CUDA 13 wheels" in h.where, h
+    old = isolated / "cuda-12.8"
+    _headers(old / "include", 12080)
+    (old / "bin").mkdir()
+    nvcc = old / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    assert T.choose_headers(torch13, str(nvcc), {}).dirs == [str(wheels)]
+    new = isolated / "cuda-13.0"
+    _headers(new / "include", 13000)
+    (new / "bin").mkdir()
+    assert T.choose_headers(torch13, str(new / "bin" / "nvcc"), {}).nvcc
+    # Nothing at all: the problem names the runtime and the wheel.
+    T._site_dirs = lambda torch: []  # (monkeypatched by the fixture: restored after)
+    h = T.choose_headers(torch13, None, {})
+    assert h.dirs == [] and "no CUDA 13.0 runtime headers" in h.problem and "nvidia-cuda-crt" in h.problem, h
+
+
+def test_the_one_command_that_builds_the_kernels(isolated):
+    """explain() and the bind-time warning name one command: this interpreter's pip (never a
+    bare `pip`, which may belong to another Python) on the source tree, after the crt/
+    headers' wheel when no matching headers are there."""
+    torch13 = _fake_torch(isolated)
+    pkg = os.path.join(ROOT, "torch_ce")
+    py = sys.executable
+    install = f"{py} -m pip install --no-build-isolation --no-deps -e {os.path.abspath(ROOT)}"
+    env = {"PATH": ""}  # no nvcc
+    assert T.build_command(torch13, pkg, environ=env) == f"{py} -m pip install 'nvidia-cuda-crt==13.0.*' && {install}"
+    _headers(isolated / "site" / "nvidia" / "cu13" / "include", 13000)
+    assert T.build_command(torch13, pkg, environ=env) == install
+    cpu = _fake_torch(isolated, cuda=None)
+    assert T.build_command(cpu, pkg, environ=env) == f"install a CUDA build of torch (>= 2.11), then: {install}"
+    assert T.crt_wheel((12, 8)) == "nvidia-cuda-nvcc-cu12==12.8.*"
+    # The runtime's wording: the warning and explain() carry the same command.
+    from torch_ce.runtime import native
+
+    assert native.build_command().startswith(f"{py} -m pip install") or "then:" in native.build_command()
+
+
+def test_setup_fails_loudly_without_torch(monkeypatch):
+    """A Python without torch (a `pip` of another interpreter, build isolation) fails the
+    install, naming the interpreter, instead of installing nothing in 1 s."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    with pytest.raises(SystemExit, match="cannot import torch with .*--no-build-isolation"):
+        S.torch_module()

@@ -160,7 +160,7 @@ def _parse(field: dataclasses.Field, raw: str) -> Any:
 # TORCH_CE_* variables that are not config fields but are known (build and test switches).
 _OTHER_ENV = {"SKIP_CUDA_BUILD", "CUDA_ARCH", "SLOW", "FUZZ_TRIALS", "SLOW_FUZZ_TRIALS", "NATIVE",
               "GPU_WORLD", "PEER_ORDER", "PEER_CHUNK_MIB",
-              "UNSAFE_NO_STEP_FENCE", "COPY_OVERLAP_HINT"}
+              "UNSAFE_NO_STEP_FENCE", "CUDA_INCLUDE"}
 
 
 def from_env(environ: dict | None = None) -> Config:

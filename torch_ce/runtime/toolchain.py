@@ -43,6 +43,7 @@ import shutil
 import sys
 
 CRT_HEADER = os.path.join("crt", "host_defines.h")
+TOOLKIT_ROOTS = ("/usr/local/cuda",)  # after $CUDA_HOME; a system toolkit's headers
 RUNTIME_HEADER = "cuda_runtime_api.h"
 
 
@@ -193,7 +194,7 @@ def header_candidates(torch, nvcc: str | None, environ=None) -> list[tuple[list[
             out.append(([os.path.join(nv, f"cu{rt[0]}", "include")], f"the CUDA {rt[0]} wheels in {site}"))
         out.append(([os.path.join(nv, "cuda_runtime", "include"), os.path.join(nv, "cuda_nvcc", "include")],
                      f"the CUDA 12 wheels in {site}"))
-    for root in ([environ["CUDA_HOME"]] if environ.get("CUDA_HOME") else []) + ["/usr/local/cuda"]:
+    for root in ([environ["CUDA_HOME"]] if environ.get("CUDA_HOME") else []) + list(TOOLKIT_ROOTS):
         out.append(([os.path.join(root, "include")], f"the CUDA toolkit at {root}"))
     return [(dirs, src) for dirs, src in out
             if any(os.path.isfile(os.path.join(d, RUNTIME_HEADER)) for d in dirs)]
