@@ -110,7 +110,7 @@ class CudaBuildExt(build_ext):
         nvcc = find_nvcc()
         self._headers = T.choose_headers(torch, nvcc)
         self._nvcc = nvcc if self._headers.nvcc else None
-        if nvcc and not self._headers.nvcc and self._headers.dirs:
+        if nvcc and not self._headers.nvcc and self._headers.dirs and torch.version.cuda:
             note(f"{nvcc} is not CUDA {torch.version.cuda}: building with the host compiler "
                  f"against the headers from {self._headers.where}")
         if torch.version.cuda is None:
@@ -190,7 +190,8 @@ def compile_check(nvcc, source, flags, build_temp, obj_name="ce_torch_check.o", 
     obj = os.path.join(os.path.abspath(build_temp), obj_name)
     tool = nvcc or T.find_cxx()
     note(f"{source}: compile check only with {os.path.basename(tool)} (CPU torch: nothing to link)")
-    pic = ["-Xcompiler", "-fPIC"] if nvcc else ["-fPIC"]
+    # nvcc checks what an nvcc build compiles (the row kernel's launch included).
+    pic = ["-Xcompiler", "-fPIC", "-DTORCH_CE_ROW_KERNEL", "-DTORCH_CE_BUILT_WITH_NVCC"] if nvcc else ["-fPIC"]
     # The shim goes last: a torch that ships the header keeps its own.
     _run([tool, "-c", "-O0", *pic, "-Icsrc", *flags, *[f"-I{d}" for d in include_dirs],
           f"-I{shim}", "-o", obj, source], source, os.path.basename(tool))

@@ -70,6 +70,7 @@ rc=$?
 echo "install rc=$rc in $(( $(date +%s) - t0 )) s"; grep -E "^ *torch_ce: (host-compiler|nvcc|skipping|cannot)" "$OUT/install_no_nvcc.log" | cut -c1-300
 [ $rc -eq 0 ] || { tail -30 "$OUT/install_no_nvcc.log"; fail=1; }
 grep -q "host-compiler build" "$OUT/install_no_nvcc.log" || { echo "FAIL: not a host-compiler build"; fail=1; }
+grep -qE "headers from the CUDA [0-9]+ wheels" "$OUT/install_no_nvcc.log" || echo "WARN: the headers did not come from torch's CUDA wheels"
 
 # Steps 2 and 3 build in the background while the tests run.
 rm -rf /tmp/ce_nvcc /tmp/ce_mis; mkdir -p /tmp/ce_nvcc /tmp/ce_mis

@@ -335,6 +335,15 @@ def gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int) -> torc
         return rows_triton.gather_rows(peers, slot.peer_ptrs, slot.shape, slot.dtype, ids)
     from . import gather, windows
 
+    with _warn_lock:
+        first = "cuda rows" not in _warned
+        _warned.add("cuda rows")
+    if first:
+        msg = (f"torch_ce: no row-gather kernel ({row_path()[1]}): CUDA embedding lookups of "
+               "bound tables use pure-torch indexing (syncs with the host per peer). With "
+               f"nvcc the CUDA kernel is built: {build_command()}")
+        log.warning("%s", msg)
+        warnings.warn(msg, stacklevel=2)
     return gather.take_rows(windows.lookup(shard), ids)
 
 

@@ -40,6 +40,7 @@ import glob
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 CRT_HEADER = os.path.join("crt", "host_defines.h")
@@ -139,6 +140,23 @@ def find_cxx(environ=None) -> str | None:
     return None
 
 
+def nvcc_include_dirs(nvcc: str) -> list[str]:
+    """The CUDA include dirs ``nvcc`` compiles against: what its dry run says (``#$
+    INCLUDES=...``: right for wrappers and symlinked toolkits too), else ``<root>/include``
+    and ``<root>/targets/*/include`` beside it."""
+    try:
+        p = subprocess.run([nvcc, "-v", "-E", "-x", "c++", os.devnull, "-o", os.devnull],
+                           capture_output=True, text=True, timeout=60)
+        m = re.search(r'^#\$ INCLUDES="([^"]*)"', p.stdout + p.stderr, re.M)
+        dirs = [d[2:] for d in m.group(1).split() if d.startswith("-I")] if m else []
+        if dirs:
+            return dirs
+    except (OSError, subprocess.SubprocessError):
+        pass
+    root = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    return [os.path.join(root, "include")] + glob.glob(os.path.join(root, "targets", "*", "include"))
+
+
 def runtime_version(torch) -> tuple[int, int] | None:
     """torch's CUDA runtime as (major, minor) (``torch.version.cuda``), None on a CPU torch."""
     v = getattr(torch.version, "cuda", None)
@@ -184,9 +202,7 @@ def header_candidates(torch, nvcc: str | None, environ=None) -> list[tuple[list[
     if own:
         out.append(([d for d in own.split(os.pathsep) if d], "TORCH_CE_CUDA_INCLUDE"))
     if nvcc:
-        root = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-        out.append(([os.path.join(root, "include")]
-                    + glob.glob(os.path.join(root, "targets", "*", "include")), f"nvcc ({nvcc})"))
+        out.append((nvcc_include_dirs(nvcc), f"nvcc ({nvcc})"))
     rt = runtime_version(torch)
     for site in _site_dirs(torch):
         nv = os.path.join(site, "nvidia")
