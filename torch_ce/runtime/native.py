@@ -61,7 +61,11 @@ def library_path() -> str | None:
 
 def build_command() -> str:
     """The one command that builds the C++ kernels for this interpreter and torch."""
-    return toolchain.build_command(torch, _PACKAGE)
+    try:
+        return toolchain.build_command(torch, _PACKAGE)
+    except Exception as e:  # noqa: BLE001 (a warning's hint must not raise)
+        return (f"{toolchain.sys.executable} -m pip install --no-build-isolation --no-deps -e "
+                f"<the torch_ce source tree> ({type(e).__name__} while looking for CUDA headers: {e})")
 
 
 @contextlib.contextmanager
