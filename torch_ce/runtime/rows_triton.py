@@ -9,7 +9,9 @@ current stream. The owners' addresses are a small device table (one int64 per ra
 when the slot is registered (``table``), outside any capture; a lookup reads it on the
 device, so nothing syncs with the host and the launch is capturable in a CUDA graph. Rows
 move in the widest word that the row size and every address allow (8 bytes; the kernel is
-told 16-byte alignment when it holds, so its loads vectorize to 16 bytes). An id outside
+told 16-byte alignment when it holds, on the pointer itself: a hint on the integer address
+does not survive ``int_to_ptr``, and only then do the loads vectorize to 16 bytes,
+``ld.global.v2.b64`` in the sm_90 PTX). An id outside
 the table prints and faults (a device-side error, as CUDA's embedding asserts;
 ``tl.device_assert`` is a no-op unless TRITON_DEBUG is set).
 
@@ -55,7 +57,7 @@ def _kernel():
             tl.store((row * 0).to(out_ptr.dtype), tl.load(out_ptr))  # fault on purpose
         owner = row // rows_per_rank
         addr = tl.load(table_ptr + owner) + (row - owner * rows_per_rank) * row_bytes
-        src = tl.multiple_of(addr, ALIGN).to(out_ptr.dtype)
+        src = tl.multiple_of(addr.to(out_ptr.dtype), ALIGN)
         dst = out_ptr + i * row_words
         for start in range(0, row_words, BLOCK):
             offs = start + tl.arange(0, BLOCK)
