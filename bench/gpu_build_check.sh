@@ -30,13 +30,14 @@ IFS=: read -ra DIRS <<< "$PATH"
 for d in "${DIRS[@]}"; do
   if [ -x "$d/nvcc" ]; then
     i=$((i + 1)); s=/tmp/no_nvcc_path/$i; rm -rf "$s"; mkdir -p "$s"
-    for f in "$d"/*; do case "$(basename "$f")" in nvcc*) ;; *) ln -s "$f" "$s/" ;; esac; done
+    for f in "$d"/*; do case "${f##*/}" in nvcc*) ;; *) ln -s "$f" "$s/" ;; esac; done
     d=$s
   fi
   HIDDEN=${HIDDEN:+$HIDDEN:}$d
 done
 nonvcc() { env -u CUDA_HOME -u CUDA_PATH PATH="$HIDDEN" "$@"; }
 
+T_START=$(date +%s)
 say "machine"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 $PY - <<'EOF'
@@ -147,3 +148,4 @@ if a and b:
     ok &= same and exact
 print("OVERALL", "PASS" if ok else "FAIL")
 EOF
+echo "wall $(( $(date +%s) - T_START )) s"
