@@ -38,7 +38,7 @@ from .zoo import MODELS
 
 VARIANTS = ("nccl", "ce")  # timed
 CHECKED = ("nccl_det", "ce_det")  # deterministic algorithms: the bit-for-bit loss check
-TARGET = 0.90  # CE/NCCL step time (issue 18)
+TARGET = 0.90  # CE/NCCL step time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,7 +93,7 @@ def _run(name: str, a: dict, dev, mesh, tokens):
 
     torch._dynamo.reset()
     # warn_only=False: cuDNN attention's backward picks its deterministic algorithm only then
-    # (with warn_only=True it warns and stays non-deterministic: run 32).
+    # (with warn_only=True it warns and stays non-deterministic).
     torch.use_deterministic_algorithms(name.endswith("_det"), warn_only=False)
     pd = torch.bfloat16 if a["param_dtype"] == "bf16" else None
     rd = torch.bfloat16 if a["reduce_dtype"] == "bf16" else torch.float32

@@ -9,8 +9,8 @@ registry of ``windows.py``, whose ``register``/``release_all`` alone write it.
 The order of a gather's peer reads (NOTE [peer order] in csrc/ce_copy.h) is read once from
 the environment and can be changed at run time (``peer_order_as``, for A/B runs):
 
-  TORCH_CE_PEER_ORDER       rotated (default) | rotated-member | fixed (the order before
-                            issue 16: every rank reads rank 0 first)
+  TORCH_CE_PEER_ORDER       rotated (default) | rotated-member | fixed (the first order:
+                            every rank reads rank 0 first)
   TORCH_CE_PEER_CHUNK_MIB   0 (default: whole slabs) or the piece size of the chunked
                             interleave, rounded down to 512 bytes
 
