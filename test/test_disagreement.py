@@ -1,6 +1,6 @@
 """Rank disagreement never hangs and never gives wrong results.
 
-NOTE [agreement before anything moves] (torch_ce/binding.py): a gather retargeted on some
+NOTE [agreement before anything moves] (torch_ce/runtime/agreement.py): a gather retargeted on some
 ranks and not others would never complete, so every rank of a group agrees before anything
 moves, and whatever is not agreed stays on the collective backend on every rank.
 

@@ -1,4 +1,5 @@
-"""torch_ce: FSDP weight all-gathers on the GPU copy engines for compiled inference graphs.
+"""torch_ce: FSDP weight all-gathers on the GPU copy engines, in compiled graphs
+(inference forwards and training steps).
 
 Public API:
   enable(**config) / disable()   install / remove the graph passes (plain torch.compile)

@@ -72,7 +72,8 @@ def main(argv=None) -> int:
 
 def _staging_statement(model, dtype) -> int:
     """Bytes the staging slots should take: every gathered weight's local shard in
-    param_dtype, each slot 512-byte aligned (NOTE [training: staged windows ...])."""
+    param_dtype, each slot 512-byte aligned (NOTE [training: staged windows and step fences] in
+    runtime/staging.py)."""
     from ..runtime import windows as W
 
     return sum(W.align_up(p._local_tensor.numel() * dtype.itemsize) for p in model.parameters())

@@ -2,8 +2,8 @@
 
 A CE launch costs wait(launch()) by the curve the run time calibrated
 (NOTE [wait(launch()) cost] in runtime/calibration.py); compute nodes cost our roofline from
-device peaks measured at bind time. NCCL gathers are costed only from rank-identical
-inputs (Inductor's analytical estimate).
+device peaks measured at bind time. NCCL gathers are costed by the same roofline, whose
+inputs (the node's flops and bytes, the device's peaks) are identical on every rank.
 """
 from __future__ import annotations
 
@@ -72,12 +72,12 @@ def compute_us(snode) -> float:
 
 
 def launch_us(snode) -> float:
-    """wait(launch()) of a transfer launch: our curve for CE, Inductor's for NCCL."""
+    """wait(launch()) of a transfer launch: the calibrated curve for CE, the roofline for NCCL."""
     info = ce_launch_info(snode)
     if info is not None:
-        nbytes, gs, dtype = info
-        return curve_for(dtype, gs).us(nbytes, gs)
-    return compute_us(snode)  # Inductor's analytical NCCL estimate (rank-identical)
+        nbytes, gs, device_type = info
+        return curve_for(device_type, gs).us(nbytes, gs)
+    return compute_us(snode)  # our roofline of the NCCL node (rank-identical inputs)
 
 
 def estimate_op_runtime(snode) -> float:
