@@ -102,7 +102,7 @@ def missing_paths(root: str, doc: str) -> list[str]:
 
 
 def test_note_references_name_existing_notes():
-    files = _tracked(ROOT)
+    files = [f for f in _tracked(ROOT) if f != "test/test_docs.py"]  # its samples are planted
     assert note_definitions(ROOT, files), "no NOTE definitions found: the parser is broken"
     bad = stale_note_references(ROOT, files)
     assert not bad, "\n".join(bad)

@@ -116,8 +116,8 @@ def main(argv=None) -> int:
     if bad:
         print(f"torch-ce bench e2e: unknown variants {sorted(bad)}; known {VARIANTS}", flush=True)
         return 2
-    print(f"torch-ce bench e2e: {describe(vars(args))}, tokens {args.tokens}, out {args.out}", flush=True)
-    return R.launch("torch-ce bench e2e", _worker, args)
+    return R.launch("torch-ce bench e2e", _worker, args,
+                    banner=f"{describe(vars(args))}, tokens {args.tokens}, out {args.out}")
 
 
 def name_gathers(traced: dict) -> None:

@@ -68,8 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out = os.path.abspath(args.out)
-    print(f"torch-ce bench ops: sizes {args.sizes} MiB, iters {args.iters}, out {args.out}", flush=True)
-    return R.launch("torch-ce bench ops", _worker, args)
+    return R.launch("torch-ce bench ops", _worker, args,
+                    banner=f"sizes {args.sizes} MiB, iters {args.iters}, out {args.out}")
 
 
 # ---------------------------------------------------------------------------------------

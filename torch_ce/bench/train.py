@@ -65,9 +65,9 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     a.out = os.path.abspath(a.out)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (the _det pair)
-    print(f"torch-ce bench train: {a.model}, {a.layers} layers, {a.tokens} tokens, param_dtype "
-          f"{a.param_dtype}, reduce_dtype {a.reduce_dtype}, {a.steps} steps, out {a.out}", flush=True)
-    return R.launch("torch-ce bench train", _worker, a)
+    return R.launch("torch-ce bench train", _worker, a,
+                    banner=f"{a.model}, {a.layers} layers, {a.tokens} tokens, param_dtype {a.param_dtype}, "
+                           f"reduce_dtype {a.reduce_dtype}, {a.steps} steps, out {a.out}")
 
 
 def _staging_statement(model, dtype) -> int:
