@@ -35,9 +35,8 @@ from mp_harness import reference_all_gather as _ref_gather
 from mp_harness import seed_base as _base
 from torch_ce import all_gather as _ce  # bound-shard gather + wait
 
-FUZZ_TRIALS = int(os.environ.get("TORCH_CE_FUZZ_TRIALS", "6"))
-SLOW = os.environ.get("TORCH_CE_SLOW", "") not in ("", "0")
-SLOW_TRIALS = int(os.environ.get("TORCH_CE_SLOW_FUZZ_TRIALS", "200"))
+from testenv import FUZZ_TRIALS, SLOW  # noqa: E402
+from testenv import SLOW_FUZZ_TRIALS as SLOW_TRIALS  # noqa: E402
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -451,7 +451,7 @@ def test_bad_config_raises_and_changes_nothing(kw, msg):
     import dataclasses
 
     import torch_ce
-    from torch_ce.passes import manager
+    from torch_ce.passes import install
 
     before_cfg = dataclasses.asdict(torch_ce.config)
     before_ic = _ic_snapshot()
@@ -463,7 +463,7 @@ def test_bad_config_raises_and_changes_nothing(kw, msg):
         with torch_ce.config.patch(**kw):
             pass
     assert dataclasses.asdict(torch_ce.config) == before_cfg  # all or nothing
-    assert not manager.is_enabled()
+    assert not install.is_enabled()
     assert _diff(before_ic, _ic_snapshot()) == {}
 
 
@@ -552,7 +552,7 @@ def clean_ic():
 def test_enable_disable_restores_inductor_config_exactly(clean_ic):
     import torch._inductor.config as ic
     import torch_ce
-    from torch_ce.passes import manager
+    from torch_ce.passes import install, manager
 
     before = _ic_snapshot()
     torch_ce.enable(transport="copy_engine")
@@ -567,7 +567,7 @@ def test_enable_disable_restores_inductor_config_exactly(clean_ic):
     assert _diff(before, _ic_snapshot()) == {}
     torch_ce.disable()  # a second disable changes nothing
     assert _diff(before, _ic_snapshot()) == {}
-    assert not manager.is_enabled()
+    assert not install.is_enabled()
 
 
 def test_enable_disable_around_a_user_callable_pass(clean_ic):
@@ -581,8 +581,7 @@ def test_enable_disable_around_a_user_callable_pass(clean_ic):
         calls.append("user")
 
     seen = []
-    manager.observers.append(lambda g: seen.append("ours"))
-    try:
+    with manager.observing(lambda g: seen.append("ours")):
         ic.post_grad_custom_post_pass = user_pass
         before = _ic_snapshot()
         torch_ce.enable(transport="copy_engine")
@@ -594,8 +593,6 @@ def test_enable_disable_around_a_user_callable_pass(clean_ic):
         torch_ce.disable()
         assert ic.post_grad_custom_post_pass is user_pass
         assert _diff(before, _ic_snapshot()) == {}
-    finally:
-        manager.observers.pop()
 
 
 def test_enable_disable_around_a_user_custom_graph_pass(clean_ic):
@@ -706,7 +703,7 @@ def test_nccl_transport_installs_only_the_reorder(clean_ic):
 def test_disable_after_many_enables_restores_the_first_state(clean_ic):
     import torch._inductor.config as ic
     import torch_ce
-    from torch_ce.passes import manager
+    from torch_ce.passes import install
 
     def user_pass(graph):
         pass
@@ -716,9 +713,9 @@ def test_disable_after_many_enables_restores_the_first_state(clean_ic):
     for kw in (dict(transport="copy_engine"), dict(transport="nccl"), dict(reorder=False),
                dict(transport="copy_engine", reorder=True), dict(transport="copy_engine")):
         torch_ce.enable(**kw)
-    assert isinstance(ic.post_grad_custom_post_pass, manager._Chained)
+    assert isinstance(ic.post_grad_custom_post_pass, install._Chained)
     assert ic.post_grad_custom_post_pass.first is user_pass  # chained once, not onto ourselves
     torch_ce.disable()
     assert ic.post_grad_custom_post_pass is user_pass
     assert _diff(before, _ic_snapshot()) == {}
-    assert not manager.is_enabled()
+    assert not install.is_enabled()

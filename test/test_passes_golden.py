@@ -56,7 +56,7 @@ class GoldenTest(TestCase):
         self.mesh = init_device_mesh("cpu", (2,))
         report.clear()
         self.graphs: list[str] = []
-        manager.observers.append(self._record)
+        self.enterContext(manager.observing(self._record))
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(
             torch._inductor.config.patch(fx_graph_cache=False, compile_threads=1)
@@ -64,7 +64,6 @@ class GoldenTest(TestCase):
         torch._dynamo.reset()
 
     def tearDown(self):
-        manager.observers.remove(self._record)
         torch_ce.disable()
         self.stack.close()
         torch._dynamo.reset()
@@ -155,7 +154,7 @@ graph():
         """transport="nccl" changes no graph: a user's post-grad pass sees the graph as
         Inductor made it, and ours (chained after it only to carry the cache identity,
         NOTE [a cache shared by ranks]) leaves it exactly as the user's pass saw it."""
-        from torch_ce.passes import manager
+        from torch_ce.passes import install
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
         class Recorder(CustomGraphPass):
@@ -169,7 +168,7 @@ graph():
         self.stack.enter_context(torch._inductor.config.patch(post_grad_custom_post_pass=rec))
         torch_ce.enable(transport="nccl")
         installed = torch._inductor.config.post_grad_custom_post_pass
-        self.assertIsInstance(installed, manager._Chained)
+        self.assertIsInstance(installed, install._Chained)
         self.assertIs(installed.first, rec)
         with torch.no_grad():
             torch.compile(self.mlp())(torch.randn(4, 8))

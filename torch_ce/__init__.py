@@ -32,13 +32,13 @@ def all_gather(shard, group=None):
 
 
 def enable(**overrides):
-    from .passes.manager import enable as _enable
+    from .passes.install import enable as _enable
 
     return _enable(**overrides)
 
 
 def disable():
-    from .passes.manager import disable as _disable
+    from .passes.install import disable as _disable
 
     return _disable()
 

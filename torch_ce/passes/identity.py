@@ -45,6 +45,7 @@ MODULES = (
     "torch_ce.passes.fx_utils",
     "torch_ce.passes.gate",
     "torch_ce.passes.identity",
+    "torch_ce.passes.install",
     "torch_ce.passes.manager",
     "torch_ce.passes.param_names",
     "torch_ce.passes.plan",
