@@ -311,7 +311,7 @@ def _summarize_report(rec: dict, report) -> None:
 def _curve(dev, world: int):
     """The CE cost curve the reorder would use now (default, on-disk or calibrated)."""
     try:
-        from torch_ce.runtime import calibration as cost
+        from torch_ce.runtime import cost_model as cost
 
         c = cost.curve_for(dev.type, world)
         return dict(latency_us=round(c.latency_us, 2), gbps=round(c.gbps, 1), source=c.source)
