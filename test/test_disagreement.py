@@ -68,7 +68,7 @@ def _compiled_disagreement(rank, ws, cache_root):
     import torch_ce
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
     from torch_ce import report
 
     setup_compile(cache_root, rank)  # no FX graph cache: the graphs differ across ranks
@@ -80,8 +80,7 @@ def _compiled_disagreement(rank, ws, cache_root):
     chained = [P(torch.randn(8, 8)) for _ in range(2)]  # gathered right before use
     params = stacked + chained
 
-    def full(w):
-        return w.redistribute(placements=[Replicate()]).to_local()
+    from torch_ce.simple_fsdp import gathered as full
 
     def f(x):
         fulls = [full(w) for w in stacked]

@@ -373,7 +373,7 @@ def _rank_groups(rank, ws, cache_root):
     import torch_ce
     import torch_ce.runtime.windows as W
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
     from torch_ce import report
 
     torch_ce.config.update(cost_cache_dir=os.path.join(cache_root, "cost"))
@@ -385,8 +385,7 @@ def _rank_groups(rank, ws, cache_root):
     torch.manual_seed(100 + rank // 2)  # each pair holds different experts
     experts = [P(torch.randn(6, 8), ep_mesh), P(torch.randn(8, 6), ep_mesh)]
 
-    def full(w):
-        return w.redistribute(placements=[Replicate()]).to_local()
+    from torch_ce.simple_fsdp import gathered as full
 
     def f(x):
         x = x @ full(dense[0]).t()

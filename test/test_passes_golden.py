@@ -13,34 +13,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.nn.utils.parametrize as P
 from expecttest import TestCase
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import torch_ce
 from torch_ce import report
 from torch_ce.passes import manager
-
-
-class Gather(nn.Module):
-    """SimpleFSDP's parametrization: the forward turns the shard into the full weight."""
-
-    def __init__(self, dtype=None):
-        super().__init__()
-        self.dtype = dtype
-
-    def forward(self, w):
-        if self.dtype is None:
-            return w.redistribute(placements=[Replicate()]).to_local()
-        return w.redistribute(placements=[Replicate()], forward_dtype=self.dtype).to_local()
+from torch_ce.simple_fsdp import gathered, shard_param
 
 
 def shard_weight(mod: nn.Module, mesh, name="weight", cast=None):
-    w = getattr(mod, name)
-    setattr(mod, name, nn.Parameter(distribute_tensor(w.data, mesh, [Shard(0)]), requires_grad=False))
-    P.register_parametrization(mod, name, Gather(cast), unsafe=True)
+    shard_param(mod, name, mesh, cast=cast)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -281,7 +266,7 @@ graph():
                     s.ws.append(nn.Parameter(w, requires_grad=False))
 
             def forward(s, x):
-                full = [w.redistribute(placements=[Replicate()]).to_local() for w in s.ws]
+                full = [gathered(w) for w in s.ws]
                 return sum((x @ f.float().t()).sum() for f in full)
 
         g = self.compile_and_run(Stack(), torch.randn(4, 8), transport="copy_engine",
@@ -451,9 +436,7 @@ class GoldenTrainingTest(GoldenTest):
         group's DTensor reduces the gradients by a local split.)"""
         m = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
         for lin in m:
-            w = lin.weight
-            lin.weight = nn.Parameter(distribute_tensor(w.data, self.mesh, [Shard(0)]))
-            P.register_parametrization(lin, "weight", Gather(torch.bfloat16), unsafe=True)
+            shard_param(lin, "weight", self.mesh, cast=torch.bfloat16, requires_grad=True)
         torch_ce.enable(transport="copy_engine")
         out = torch.compile(m)(torch.randn(4, 8, dtype=torch.bfloat16))
         out.float().sum().backward()
@@ -519,7 +502,7 @@ def test_graph_with_gradients_stays_on_nccl():
     torch_ce.enable(transport="copy_engine", training=False)
     try:
         with torch._inductor.config.patch(fx_graph_cache=False):
-            f = torch.compile(lambda x: (x @ w.redistribute(placements=[Replicate()]).to_local().t()).sum())
+            f = torch.compile(lambda x: (x @ gathered(w).t()).sum())
             x = torch.randn(4, 8)
             loss = f(x)
             loss.backward()
