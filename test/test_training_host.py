@@ -127,6 +127,9 @@ def _check_slots(model) -> None:
 # torchtitan's Llama3 (the zoo's own layers), fp32 and bf16 param_dtype
 # ---------------------------------------------------------------------------------------
 
+# The model ``torch-ce bench train`` times (torch_ce/bench/zoo.py: torchtitan's Llama3 under
+# SimpleFSDP), small: the test checks the product's own training model, not a copy of it.
+# zoo.py has nothing that exists for the tests.
 ZOO = dict(model="llama3_8b", layers=2, dim=64, vocab=256)
 
 
