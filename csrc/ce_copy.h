@@ -53,7 +53,7 @@ namespace torch_ce_copy {
 // the last two exist for A/B runs:
 //   rotated         rotated, peer-major (the default)
 //   rotated-member  rotated, member-major
-//   fixed           0, 1, ..., W-1, member-major: the order before issue 16
+//   fixed           0, 1, ..., W-1, member-major: the first order
 // The own rows (source == rank) come last in a rotated order ((r + W) mod W)
 // and at their place in the fixed one; the gather normally copies them on a
 // second stream (NOTE [native gather path]) and leaves them out of the plan.

@@ -10,8 +10,8 @@
 //
 // # NOTE [native gather path]
 // The one CUDA gather of bound shards. A Python kernel cost ~80 us of CPU per
-// gather and wait_tensor on its Python Work another ~45 us (bench/results,
-// run 2): at 1024 tokens the forward was CPU-bound. Here a gather of bound
+// gather and wait_tensor on its Python Work another ~45 us (measured,
+// bench/results): at 1024 tokens the forward was CPU-bound. Here a gather of bound
 // shards is: one registry lookup per member, the outputs allocated on the
 // current stream, one event so the copy streams start after that allocation,
 // the peer reads in one cudaMemcpyBatchAsync on the peer-copy stream (in the

@@ -1,8 +1,11 @@
-"""Make ``torch_ce`` importable from the source tree when it is not pip-installed."""
+"""Make ``torch_ce`` importable from the source tree when it is not pip-installed; the tests'
+switches (``testenv``) are read before it; ``@pytest.mark.slow`` runs only with TORCH_CE_SLOW=1."""
 import os
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import testenv  # noqa: E402,F401  (first: the tests' switches leave the environment before torch_ce reads it)
+
 try:
     import torch_ce  # noqa: F401
 except ImportError:
@@ -36,3 +39,13 @@ def no_shm_left():
     yield
     left = set(glob.glob(pattern)) - before
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.slow`` cases run only with TORCH_CE_SLOW=1 (``testenv.SLOW``)."""
+    if testenv.SLOW:
+        return
+    skip = pytest.mark.skip(reason="slow: set TORCH_CE_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -13,12 +13,11 @@ Used by test/test_native_cuda.py and, by path, bench/issue_cost.py.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-GPU_WORLD = int(os.environ.get("TORCH_CE_GPU_WORLD", "2"))
+from testenv import GPU_WORLD  # noqa: E402
 if GPU_WORLD < 2:
     raise ValueError(f"TORCH_CE_GPU_WORLD={GPU_WORLD}: the multi-GPU tests need at least 2 ranks")
 needs_gpu_world = pytest.mark.skipif(

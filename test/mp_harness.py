@@ -227,25 +227,14 @@ def count_gathers() -> dict:
 # ---------------------------------------------------------------------------------------
 
 
-class GatherParam(torch.nn.Module):
-    """SimpleFSDP's parametrization: the forward turns the shard into the full weight."""
-
-    def forward(self, w):
-        from torch.distributed.tensor import Replicate
-
-        return w.redistribute(placements=[Replicate()]).to_local()
-
-
 def fsdp_every_param(module, mesh):
-    """Every parameter of ``module``: a Shard(0) DTensor behind a parametrization (no grads)."""
-    import torch.nn.utils.parametrize as P
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """Every parameter of ``module``: a Shard(0) DTensor behind SimpleFSDP's
+    parametrization (``torch_ce.simple_fsdp.shard_param``, the one helper; no grads)."""
+    from torch_ce.simple_fsdp import shard_param
 
     for mod in list(module.modules()):
-        for pname, p in list(mod.named_parameters(recurse=False)):
-            setattr(mod, pname, torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
-                                                   requires_grad=False))
-            P.register_parametrization(mod, pname, GatherParam(), unsafe=True)
+        for pname, _ in list(mod.named_parameters(recurse=False)):
+            shard_param(mod, pname, mesh)
     return module
 
 

@@ -295,3 +295,22 @@ def test_ops_summary_prints_the_peer_order_ab(capsys):
     out = capsys.readouterr().out
     ab = out[out.index("peer order A/B"):]
     assert "['rotated', 0]" in ab and "901.0 / 224" in ab and "1.502" in ab and "615.0 / 327" in ab
+
+
+@pytest.mark.parametrize("sub", ["ops", "e2e", "train"])
+def test_bench_on_fewer_than_two_gpus_exits_with_one_line(sub, tmp_path, capsys, monkeypatch):
+    """Without 2 GPUs (and no --device cpu) a bench refuses in one line and writes nothing:
+    one rank would time nothing and write an empty JSON / PNG."""
+    from torch_ce.cli import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(R, "default_nprocs", lambda backend: 1 if backend == "nccl" else 2)
+    assert main(["bench", sub, "--out", str(tmp_path / "out")]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.strip().splitlines()) == 1, cap
+    assert f"torch-ce bench {sub}: needs 2 or more GPUs, found 1" in cap.err
+    assert not (tmp_path / "out").exists()
+    # One rank asked for by hand, on any device: refused the same way.
+    assert main(["bench", sub, "--device", "cpu", "--nprocs", "1", "--out", str(tmp_path / "out")]) == 2
+    assert "needs 2 or more ranks, got 1" in capsys.readouterr().err

@@ -20,11 +20,11 @@ import textwrap
 import pytest
 
 import torch_ce
-from torch_ce.passes import identity, manager, reorder
+from torch_ce.passes import identity, install, reorder
 
 
 def _keys():
-    return manager._pass.uuid(), pickle.dumps(reorder.LatestSafeLaunch())
+    return install._pass.uuid(), pickle.dumps(reorder.LatestSafeLaunch())
 
 
 def test_modules_cover_every_pass_and_the_named_modules():
@@ -45,11 +45,11 @@ _EDIT_EACH_MODULE = textwrap.dedent("""
     sys.path.insert(0, root)
     import torch_ce
     assert torch_ce.__file__.startswith(root), torch_ce.__file__
-    from torch_ce.passes import identity, manager, reorder
+    from torch_ce.passes import identity, install, reorder
 
     def keys():
         identity.code_identity.cache_clear()
-        return manager._pass.uuid(), pickle.dumps(reorder.LatestSafeLaunch()).hex()
+        return install._pass.uuid(), pickle.dumps(reorder.LatestSafeLaunch()).hex()
 
     base, out = keys(), {}
     for name in identity.MODULES:

@@ -1,6 +1,6 @@
 """Rank disagreement never hangs and never gives wrong results.
 
-NOTE [agreement before anything moves] (torch_ce/binding.py): a gather retargeted on some
+NOTE [agreement before anything moves] (torch_ce/runtime/agreement.py): a gather retargeted on some
 ranks and not others would never complete, so every rank of a group agrees before anything
 moves, and whatever is not agreed stays on the collective backend on every rank.
 
@@ -35,9 +35,8 @@ from mp_harness import reference_all_gather as _ref_gather
 from mp_harness import seed_base as _base
 from torch_ce import all_gather as _ce  # bound-shard gather + wait
 
-FUZZ_TRIALS = int(os.environ.get("TORCH_CE_FUZZ_TRIALS", "6"))
-SLOW = os.environ.get("TORCH_CE_SLOW", "") not in ("", "0")
-SLOW_TRIALS = int(os.environ.get("TORCH_CE_SLOW_FUZZ_TRIALS", "200"))
+from testenv import FUZZ_TRIALS, SLOW  # noqa: E402
+from testenv import SLOW_FUZZ_TRIALS as SLOW_TRIALS  # noqa: E402
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -69,7 +68,7 @@ def _compiled_disagreement(rank, ws, cache_root):
     import torch_ce
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
     from torch_ce import report
 
     setup_compile(cache_root, rank)  # no FX graph cache: the graphs differ across ranks
@@ -81,8 +80,7 @@ def _compiled_disagreement(rank, ws, cache_root):
     chained = [P(torch.randn(8, 8)) for _ in range(2)]  # gathered right before use
     params = stacked + chained
 
-    def full(w):
-        return w.redistribute(placements=[Replicate()]).to_local()
+    from torch_ce.simple_fsdp import gathered as full
 
     def f(x):
         fulls = [full(w) for w in stacked]

@@ -373,7 +373,7 @@ def _rank_groups(rank, ws, cache_root):
     import torch_ce
     import torch_ce.runtime.windows as W
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
     from torch_ce import report
 
     torch_ce.config.update(cost_cache_dir=os.path.join(cache_root, "cost"))
@@ -385,8 +385,7 @@ def _rank_groups(rank, ws, cache_root):
     torch.manual_seed(100 + rank // 2)  # each pair holds different experts
     experts = [P(torch.randn(6, 8), ep_mesh), P(torch.randn(8, 6), ep_mesh)]
 
-    def full(w):
-        return w.redistribute(placements=[Replicate()]).to_local()
+    from torch_ce.simple_fsdp import gathered as full
 
     def f(x):
         x = x @ full(dense[0]).t()
@@ -451,7 +450,7 @@ def test_bad_config_raises_and_changes_nothing(kw, msg):
     import dataclasses
 
     import torch_ce
-    from torch_ce.passes import manager
+    from torch_ce.passes import install
 
     before_cfg = dataclasses.asdict(torch_ce.config)
     before_ic = _ic_snapshot()
@@ -463,7 +462,7 @@ def test_bad_config_raises_and_changes_nothing(kw, msg):
         with torch_ce.config.patch(**kw):
             pass
     assert dataclasses.asdict(torch_ce.config) == before_cfg  # all or nothing
-    assert not manager.is_enabled()
+    assert not install.is_enabled()
     assert _diff(before_ic, _ic_snapshot()) == {}
 
 
@@ -552,7 +551,7 @@ def clean_ic():
 def test_enable_disable_restores_inductor_config_exactly(clean_ic):
     import torch._inductor.config as ic
     import torch_ce
-    from torch_ce.passes import manager
+    from torch_ce.passes import install, manager
 
     before = _ic_snapshot()
     torch_ce.enable(transport="copy_engine")
@@ -567,7 +566,7 @@ def test_enable_disable_restores_inductor_config_exactly(clean_ic):
     assert _diff(before, _ic_snapshot()) == {}
     torch_ce.disable()  # a second disable changes nothing
     assert _diff(before, _ic_snapshot()) == {}
-    assert not manager.is_enabled()
+    assert not install.is_enabled()
 
 
 def test_enable_disable_around_a_user_callable_pass(clean_ic):
@@ -581,8 +580,7 @@ def test_enable_disable_around_a_user_callable_pass(clean_ic):
         calls.append("user")
 
     seen = []
-    manager.observers.append(lambda g: seen.append("ours"))
-    try:
+    with manager.observing(lambda g: seen.append("ours")):
         ic.post_grad_custom_post_pass = user_pass
         before = _ic_snapshot()
         torch_ce.enable(transport="copy_engine")
@@ -594,8 +592,6 @@ def test_enable_disable_around_a_user_callable_pass(clean_ic):
         torch_ce.disable()
         assert ic.post_grad_custom_post_pass is user_pass
         assert _diff(before, _ic_snapshot()) == {}
-    finally:
-        manager.observers.pop()
 
 
 def test_enable_disable_around_a_user_custom_graph_pass(clean_ic):
@@ -706,7 +702,7 @@ def test_nccl_transport_installs_only_the_reorder(clean_ic):
 def test_disable_after_many_enables_restores_the_first_state(clean_ic):
     import torch._inductor.config as ic
     import torch_ce
-    from torch_ce.passes import manager
+    from torch_ce.passes import install
 
     def user_pass(graph):
         pass
@@ -716,9 +712,9 @@ def test_disable_after_many_enables_restores_the_first_state(clean_ic):
     for kw in (dict(transport="copy_engine"), dict(transport="nccl"), dict(reorder=False),
                dict(transport="copy_engine", reorder=True), dict(transport="copy_engine")):
         torch_ce.enable(**kw)
-    assert isinstance(ic.post_grad_custom_post_pass, manager._Chained)
+    assert isinstance(ic.post_grad_custom_post_pass, install._Chained)
     assert ic.post_grad_custom_post_pass.first is user_pass  # chained once, not onto ourselves
     torch_ce.disable()
     assert ic.post_grad_custom_post_pass is user_pass
     assert _diff(before, _ic_snapshot()) == {}
-    assert not manager.is_enabled()
+    assert not install.is_enabled()

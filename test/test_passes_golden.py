@@ -13,34 +13,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.nn.utils.parametrize as P
 from expecttest import TestCase
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import torch_ce
 from torch_ce import report
 from torch_ce.passes import manager
-
-
-class Gather(nn.Module):
-    """SimpleFSDP's parametrization: the forward turns the shard into the full weight."""
-
-    def __init__(self, dtype=None):
-        super().__init__()
-        self.dtype = dtype
-
-    def forward(self, w):
-        if self.dtype is None:
-            return w.redistribute(placements=[Replicate()]).to_local()
-        return w.redistribute(placements=[Replicate()], forward_dtype=self.dtype).to_local()
+from torch_ce.simple_fsdp import gathered, shard_param
 
 
 def shard_weight(mod: nn.Module, mesh, name="weight", cast=None):
-    w = getattr(mod, name)
-    setattr(mod, name, nn.Parameter(distribute_tensor(w.data, mesh, [Shard(0)]), requires_grad=False))
-    P.register_parametrization(mod, name, Gather(cast), unsafe=True)
+    shard_param(mod, name, mesh, cast=cast)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,7 +41,7 @@ class GoldenTest(TestCase):
         self.mesh = init_device_mesh("cpu", (2,))
         report.clear()
         self.graphs: list[str] = []
-        manager.observers.append(self._record)
+        self.enterContext(manager.observing(self._record))
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(
             torch._inductor.config.patch(fx_graph_cache=False, compile_threads=1)
@@ -64,7 +49,6 @@ class GoldenTest(TestCase):
         torch._dynamo.reset()
 
     def tearDown(self):
-        manager.observers.remove(self._record)
         torch_ce.disable()
         self.stack.close()
         torch._dynamo.reset()
@@ -155,7 +139,7 @@ graph():
         """transport="nccl" changes no graph: a user's post-grad pass sees the graph as
         Inductor made it, and ours (chained after it only to carry the cache identity,
         NOTE [a cache shared by ranks]) leaves it exactly as the user's pass saw it."""
-        from torch_ce.passes import manager
+        from torch_ce.passes import install
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
         class Recorder(CustomGraphPass):
@@ -169,7 +153,7 @@ graph():
         self.stack.enter_context(torch._inductor.config.patch(post_grad_custom_post_pass=rec))
         torch_ce.enable(transport="nccl")
         installed = torch._inductor.config.post_grad_custom_post_pass
-        self.assertIsInstance(installed, manager._Chained)
+        self.assertIsInstance(installed, install._Chained)
         self.assertIs(installed.first, rec)
         with torch.no_grad():
             torch.compile(self.mlp())(torch.randn(4, 8))
@@ -282,7 +266,7 @@ graph():
                     s.ws.append(nn.Parameter(w, requires_grad=False))
 
             def forward(s, x):
-                full = [w.redistribute(placements=[Replicate()]).to_local() for w in s.ws]
+                full = [gathered(w) for w in s.ws]
                 return sum((x @ f.float().t()).sum() for f in full)
 
         g = self.compile_and_run(Stack(), torch.randn(4, 8), transport="copy_engine",
@@ -452,9 +436,7 @@ class GoldenTrainingTest(GoldenTest):
         group's DTensor reduces the gradients by a local split.)"""
         m = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
         for lin in m:
-            w = lin.weight
-            lin.weight = nn.Parameter(distribute_tensor(w.data, self.mesh, [Shard(0)]))
-            P.register_parametrization(lin, "weight", Gather(torch.bfloat16), unsafe=True)
+            shard_param(lin, "weight", self.mesh, cast=torch.bfloat16, requires_grad=True)
         torch_ce.enable(transport="copy_engine")
         out = torch.compile(m)(torch.randn(4, 8, dtype=torch.bfloat16))
         out.float().sum().backward()
@@ -520,7 +502,7 @@ def test_graph_with_gradients_stays_on_nccl():
     torch_ce.enable(transport="copy_engine", training=False)
     try:
         with torch._inductor.config.patch(fx_graph_cache=False):
-            f = torch.compile(lambda x: (x @ w.redistribute(placements=[Replicate()]).to_local().t()).sum())
+            f = torch.compile(lambda x: (x @ gathered(w).t()).sum())
             x = torch.randn(4, 8)
             loss = f(x)
             loss.backward()

@@ -1,4 +1,4 @@
-"""Cross-call prefetch on TORCH_CE_GPU_WORLD GPUs (default 2) (NOTE [cross-call prefetch] in torch_ce/prefetch.py).
+"""Cross-call prefetch on TORCH_CE_GPU_WORLD GPUs (default 2) (NOTE [cross-call prefetch] in torch_ce/runtime/prefetch.py).
 
 A compiled SimpleFSDP decoder over the CE transport with ``prefetch_next_call_mib``: on
 fresh random inputs each call its outputs equal the same compile without the prefetch bit

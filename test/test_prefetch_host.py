@@ -1,4 +1,4 @@
-"""Cross-call prefetch (NOTE [cross-call prefetch] in torch_ce/prefetch.py) on CPU ranks.
+"""Cross-call prefetch (NOTE [cross-call prefetch] in torch_ce/runtime/prefetch.py) on CPU ranks.
 
 Two gloo ranks, the host transport: a compiled SimpleFSDP MLP with
 ``prefetch_next_call_mib`` gives eager's outputs exactly on fresh random inputs while the

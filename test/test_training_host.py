@@ -11,8 +11,8 @@ torn read (NOTE [training: staged windows and step fences] in runtime/staging.py
   backward generated code; the staging memory is what the NOTE states; an eval forward
   after training (an inference graph of trained weights) stays on the collective.
 - ``test_delayed_rank``: rank 1 sleeps before its optimizer step and again before its
-  forward; losses still match. With the fences switched off (the test-only
-  ``TORCH_CE_UNSAFE_NO_STEP_FENCE``) the same schedule reads stale weights and the losses
+  forward; losses still match. With the fences switched off (the test hook
+  ``staging.unsafe_no_step_fence()``, entered by each rank) the same schedule reads stale weights and the losses
   differ: the negative control that shows the test can fail.
 - ``test_accumulation_frozen_optimizer_in_backward``: gradient accumulation (2
   micro-batches), a frozen layer and an optimizer that steps inside post-accumulate-grad
@@ -26,7 +26,6 @@ staging slot must hold its weight's cast exactly (``_check_slots``).
 """
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -38,7 +37,6 @@ from mp_harness import run_ranks, seed_base, setup_compile  # noqa: E402
 
 WORLD = 2
 MAGI_CALL = "torch.ops.magi.ce_all_gather"
-NO_FENCE = "TORCH_CE_UNSAFE_NO_STEP_FENCE"
 
 
 def _train(transport, build, batches, rank, *, delay=0.0, accum=1, hooks=False, lr=1e-2, **cfg):
@@ -129,6 +127,9 @@ def _check_slots(model) -> None:
 # torchtitan's Llama3 (the zoo's own layers), fp32 and bf16 param_dtype
 # ---------------------------------------------------------------------------------------
 
+# The model ``torch-ce bench train`` times (torch_ce/bench/zoo.py: torchtitan's Llama3 under
+# SimpleFSDP), small: the test checks the product's own training model, not a copy of it.
+# zoo.py has nothing that exists for the tests.
 ZOO = dict(model="llama3_8b", layers=2, dim=64, vocab=256)
 
 
@@ -279,11 +280,10 @@ def _rank_delay(rank, world, seed, cache):
     batches = _batches(seed, rank, 4)
     ref = _train("nccl", _net_builder(seed), batches, rank)[0]
     fenced = _train("copy_engine", _net_builder(seed), batches, rank, delay=0.4)[0]
-    os.environ[NO_FENCE] = "1"
-    try:
+    from torch_ce.runtime import staging
+
+    with staging.unsafe_no_step_fence():
         unfenced = _train("copy_engine", _net_builder(seed), batches, rank, delay=0.4)[0]
-    finally:
-        del os.environ[NO_FENCE]
     return ref, fenced, unfenced
 
 

@@ -1,4 +1,5 @@
-"""torch_ce: FSDP weight all-gathers on the GPU copy engines for compiled inference graphs.
+"""torch_ce: FSDP weight all-gathers on the GPU copy engines, in compiled graphs
+(inference forwards and training steps).
 
 Public API:
   enable(**config) / disable()   install / remove the graph passes (plain torch.compile)
@@ -31,13 +32,13 @@ def all_gather(shard, group=None):
 
 
 def enable(**overrides):
-    from .passes.manager import enable as _enable
+    from .passes.install import enable as _enable
 
     return _enable(**overrides)
 
 
 def disable():
-    from .passes.manager import disable as _disable
+    from .passes.install import disable as _disable
 
     return _disable()
 

@@ -5,7 +5,6 @@
     torch-ce bench e2e [...]      compiled SimpleFSDP decoder: NCCL vs CE vs no-comm bound
     torch-ce bench train [...]    SimpleFSDP training steps: NCCL vs CE gathers (torchtitan's Llama3)
     torch-ce bench plot-scaling   GB/s vs size per (world size, transport) from bench ops JSONs
-    torch-ce explain              print what torch_ce did in this process (for scripts)
 
 The bench commands launch their own ranks (one process per GPU) unless run under torchrun.
 """

@@ -157,10 +157,10 @@ def _parse(field: dataclasses.Field, raw: str) -> Any:
     return raw.strip()
 
 
-# TORCH_CE_* variables that are not config fields but are known (build and test switches).
-_OTHER_ENV = {"SKIP_CUDA_BUILD", "CUDA_ARCH", "SLOW", "FUZZ_TRIALS", "SLOW_FUZZ_TRIALS", "NATIVE",
-              "GPU_WORLD", "PEER_ORDER", "PEER_CHUNK_MIB",
-              "UNSAFE_NO_STEP_FENCE", "CUDA_INCLUDE"}
+# TORCH_CE_* variables that are not config fields but are torch_ce's (the build's and the
+# run time's switches). The test suite's switches are its own (test/testenv.py).
+_OTHER_ENV = {"SKIP_CUDA_BUILD", "CUDA_ARCH", "CUDA_INCLUDE", "NATIVE",
+              "PEER_ORDER", "PEER_CHUNK_MIB"}
 
 
 def from_env(environ: dict | None = None) -> Config:

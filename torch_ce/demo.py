@@ -69,7 +69,9 @@ def _rank_main(rank: int, world: int, port: int, cuda: bool, args, results) -> N
     outs, times = {}, {}
     try:
         for transport in ("nccl", "copy_engine"):
-            _say(rank, f"compiling with transport={transport!r} ...")
+            what = f"{dist.get_backend()} collectives" if transport == "nccl" else (
+                "copy engines" if cuda else "host transport")
+            _say(rank, f"compiling with transport={transport!r} ({what}) ...")
             torch._dynamo.reset()
             torch_ce.enable(transport=transport)
             compiled = torch.compile(model)
@@ -123,10 +125,12 @@ def main(argv: list[str] | None = None) -> int:
             results = dict(results)
     r0 = results[0]
     t = r0["times"]
+    backend = "nccl" if cuda else "gloo"
+    ce = "copy engines" if cuda else "host transport"
     print(f"[torch-ce demo] outputs {'identical' if r0['exact'] else 'differ'} "
           f"(max abs diff {r0['max_abs_diff']:.3g}); {r0['bound']} weight shard(s) bound per rank",
           flush=True)
-    print(f"[torch-ce demo] forward: transport nccl {t['nccl']:.2f} ms, copy_engine "
+    print(f"[torch-ce demo] forward: {backend} gathers {t['nccl']:.2f} ms, torch_ce ({ce}) "
           f"{t['copy_engine']:.2f} ms ({t['copy_engine'] / t['nccl']:.2f}x)", flush=True)
     ok = all(r["exact"] or r["max_abs_diff"] < 1e-2 for r in results.values()) and r0["bound"] > 0
     print("[torch-ce demo] OK" if ok else "[torch-ce demo] FAILED", flush=True)

@@ -43,8 +43,8 @@ def _staged_lowering(*args, **kwargs):
     gather has read a slot, its memory planner may hand the buffer to a later kernel of the
     same size (``buf9 = buf2; del buf2  # reuse``) or let a pointwise kernel write into it
     in place, i.e. write this step's activations into a window its peers read. On Llama3-8B
-    shapes that overwrote the layer weights' slots in the first step (GPU run 30,
-    bench/results/run30_31_staging_check.log). ``never_reuse_buffers`` keeps both from
+    shapes that overwrote the layer weights' slots in the first step (docs/perf-notes.md,
+    the staging check). ``never_reuse_buffers`` keeps both from
     happening."""
     from torch._inductor import lowering
     from torch._inductor.virtualized import V

@@ -9,7 +9,7 @@ can be retargeted without rebuilding its args:
 Output: a fresh tensor of ``group_size * shard.shape[0]`` rows, rank r's shard at row
 ``r * rows``. The shard must have been bound (``torch_ce.bind`` or the compiled bind step);
 a shard whose binding was refused by agreement is gathered by the group's collective
-backend instead (NOTE [agreement before anything moves] in binding.py). On CUDA the C++
+backend instead (NOTE [agreement before anything moves] in runtime/agreement.py). On CUDA the C++
 kernels' outputs carry c10d work: ``_c10d_functional.wait_tensor`` orders the consumer
 after the copies. The host transport (CPU) and the opted-in pure-torch CUDA fallback copy
 on the current stream (runtime/gather.py).

@@ -49,20 +49,44 @@ class Decoder(nn.Module):
         return x
 
 
+def gathered(w, dtype: torch.dtype | None = None):
+    """The full weight a forward sees: ``redistribute(Replicate()).to_local()`` of a
+    DTensor (cast to ``dtype`` first, as SimpleFSDP's ``param_dtype`` does); a plain tensor
+    as it is."""
+    if not isinstance(w, DTensor):
+        return w
+    if dtype is None:
+        return w.redistribute(placements=[Replicate()]).to_local()
+    return w.redistribute(placements=[Replicate()], forward_dtype=dtype).to_local()
+
+
 class GatherWeight(nn.Module):
-    """The forward's view of a sharded weight: the full tensor, gathered."""
+    """The forward's view of a sharded weight: the full tensor, gathered (the
+    parametrization; ``dtype``: gather the cast)."""
+
+    def __init__(self, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.dtype = dtype
 
     def forward(self, w):
-        return w.redistribute(placements=[Replicate()]).to_local() if isinstance(w, DTensor) else w
+        return gathered(w, self.dtype)
+
+
+def shard_param(mod: nn.Module, name: str, mesh, *, cast: torch.dtype | None = None,
+                requires_grad: bool = False) -> None:
+    """Make ``mod.<name>`` a Shard(0) DTensor parameter over ``mesh`` that the forward
+    gathers (SimpleFSDP's parametrization); the one helper the demo, the benches and the
+    tests share."""
+    w = getattr(mod, name).detach()
+    setattr(mod, name, nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]), requires_grad=requires_grad))
+    P.register_parametrization(mod, name, GatherWeight(cast), unsafe=True)
 
 
 def shard_linears(model: nn.Module, mesh) -> nn.Module:
     """Shard every nn.Linear weight Shard(0) over ``mesh`` (inference: no grads)."""
     for m in list(model.modules()):
         if isinstance(m, nn.Linear):
-            w = m.weight.detach()
-            m.weight = nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]), requires_grad=False)
-            P.register_parametrization(m, "weight", GatherWeight(), unsafe=True)
+            shard_param(m, "weight", mesh)
     for p in model.parameters():
         p.requires_grad_(False)
     return model

@@ -19,7 +19,7 @@ from the same seed, so all compute the same function:
 
 and, not in the default set: ``ce_fullrows``, the ce variant with embeddings gathered in
 full (``row_gathers=False``: the A/B of the row gather); ``ce_fixed`` and ``ce_chunk``, the ce variant with its peer
-reads in the order before issue 16 (every rank reads rank 0 first) or in chunked
+reads in the fixed order (every rank reads rank 0 first) or in chunked
 interleave (``--peer-chunk-mib``; NOTE [peer order] in csrc/ce_copy.h); ``ce_inbatch``, the ce
 variant with this rank's own rows copied inside the peer batch instead of on the second copy
 stream (docs/perf-notes.md section 14); ``ce_prefetch``, the ce variant prefetching the next forward's
@@ -116,8 +116,8 @@ def main(argv=None) -> int:
     if bad:
         print(f"torch-ce bench e2e: unknown variants {sorted(bad)}; known {VARIANTS}", flush=True)
         return 2
-    print(f"torch-ce bench e2e: {describe(vars(args))}, tokens {args.tokens}, out {args.out}", flush=True)
-    return R.launch("torch-ce bench e2e", _worker, args)
+    return R.launch("torch-ce bench e2e", _worker, args,
+                    banner=f"{describe(vars(args))}, tokens {args.tokens}, out {args.out}")
 
 
 def name_gathers(traced: dict) -> None:

@@ -158,8 +158,8 @@ def base_of(name: str) -> str:
 
 
 def peer_order_of(name: str, a: dict) -> dict:
-    """``native.peer_order_as`` arguments of a variant: ce_fixed reads in the order before
-    issue 16, ce_chunk in ``--peer-chunk-mib`` pieces (NOTE [peer order] in
+    """``native.peer_order_as`` arguments of a variant: ce_fixed reads in the fixed
+    order, ce_chunk in ``--peer-chunk-mib`` pieces (NOTE [peer order] in
     csrc/ce_copy.h); every other variant keeps the library's order."""
     base = base_of(name)
     if base == "ce_fixed":
@@ -194,7 +194,7 @@ def run_variant(name: str, a: dict, x, mesh, rank: int, world: int, trace: bool,
     report.clear()
     rec["wall_start"] = round(time.time(), 3)  # to line up with run_gpu.sh's gpu_clocks.csv
     # Every variant starts from the defaults (and TORCH_CE_* variables): enable() only sets
-    # what it is given, so a previous variant's options would otherwise carry over (run 14).
+    # what it is given, so a previous variant's options would otherwise carry over.
     torch_ce.config.update(**dataclasses.asdict(from_env()))
     graphs = name.endswith("_cg")
     base = base_of(name)
@@ -311,7 +311,7 @@ def _summarize_report(rec: dict, report) -> None:
 def _curve(dev, world: int):
     """The CE cost curve the reorder would use now (default, on-disk or calibrated)."""
     try:
-        from torch_ce.runtime import calibration as cost
+        from torch_ce.runtime import cost_model as cost
 
         c = cost.curve_for(dev.type, world)
         return dict(latency_us=round(c.latency_us, 2), gbps=round(c.gbps, 1), source=c.source)

@@ -10,7 +10,7 @@ and, with the C++ kernel, A/B variants of the peer-read order (NOTE [peer order]
 csrc/ce_copy.h; ce1 and ce8 use the library's order, rotated unless TORCH_CE_PEER_ORDER
 says otherwise):
 
-  ce1_fixed, ce8_fixed   the order before issue 16 (every rank reads rank 0 first)
+  ce1_fixed, ce8_fixed   the fixed order (every rank reads rank 0 first)
   ce8_member             rotated, member-major (ce8 is peer-major)
   ce1_chunk, ce8_chunk   rotated, chunked interleave of ``--peer-chunk-mib`` pieces
   ce1_inbatch            ce1 with this rank's own rows inside the peer batch
@@ -68,8 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out = os.path.abspath(args.out)
-    print(f"torch-ce bench ops: sizes {args.sizes} MiB, iters {args.iters}, out {args.out}", flush=True)
-    return R.launch("torch-ce bench ops", _worker, args)
+    return R.launch("torch-ce bench ops", _worker, args,
+                    banner=f"sizes {args.sizes} MiB, iters {args.iters}, out {args.out}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -132,11 +132,6 @@ def spawn_ranks(fn: Callable, nprocs: int | None, *args: Any, backend: str | Non
     import torch.multiprocessing as mp
 
     nprocs = nprocs or default_nprocs(backend)
-    if nprocs < 1:
-        print("torch-ce bench: no GPUs found (use --device cpu for a smoke run)", flush=True)
-        return 2
-    if nprocs < 2:
-        print("torch-ce bench: WARNING: one rank only; there is nothing to gather", flush=True)
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     port = free_port()
@@ -195,10 +190,33 @@ def spawn_ranks(fn: Callable, nprocs: int | None, *args: Any, backend: str | Non
     return rc
 
 
-def launch(prog: str, worker: Callable, args) -> int:
+def too_few_ranks(prog: str, backend: str, nprocs: int | None) -> str | None:
+    """Why the bench cannot run on the ranks it would get, in one line (None: it can).
+    A gather needs a peer: one rank would time nothing and write empty results."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+    else:
+        world = nprocs or default_nprocs(backend)
+    if world >= 2:
+        return None
+    if backend == "nccl" and not nprocs and "WORLD_SIZE" not in os.environ:
+        return (f"{prog}: needs 2 or more GPUs, found {world} "
+                f"(--device cpu runs a smoke test on 2 CPU ranks)")
+    return f"{prog}: needs 2 or more ranks, got {world}"
+
+
+def launch(prog: str, worker: Callable, args, banner: str = "") -> int:
     """Run a bench's ``worker(rank, world, vars(args))`` on the ranks its common arguments
-    ask for (``--device``: NCCL or gloo, ``--nprocs``, ``--timeout``); the exit code."""
+    ask for (``--device``: NCCL or gloo, ``--nprocs``, ``--timeout``); the exit code
+    (2, with one line on stderr and nothing written, on fewer than 2 ranks). ``banner``
+    is printed once the ranks are known to suffice."""
     backend = "nccl" if args.device == "cuda" else "gloo"
+    why = too_few_ranks(prog, backend, args.nprocs)
+    if why is not None:
+        print(why, file=sys.stderr, flush=True)
+        return 2
+    if banner:
+        print(f"{prog}: {banner}", flush=True)
     t0 = time.monotonic()
     rc = spawn_ranks(worker, args.nprocs, vars(args), backend=backend, timeout_s=args.timeout)
     print(f"{prog}: done in {time.monotonic() - t0:.0f} s (exit code {rc})", flush=True)

@@ -38,7 +38,7 @@ from .zoo import MODELS
 
 VARIANTS = ("nccl", "ce")  # timed
 CHECKED = ("nccl_det", "ce_det")  # deterministic algorithms: the bit-for-bit loss check
-TARGET = 0.90  # CE/NCCL step time (issue 18)
+TARGET = 0.90  # CE/NCCL step time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,14 +65,15 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     a.out = os.path.abspath(a.out)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (the _det pair)
-    print(f"torch-ce bench train: {a.model}, {a.layers} layers, {a.tokens} tokens, param_dtype "
-          f"{a.param_dtype}, reduce_dtype {a.reduce_dtype}, {a.steps} steps, out {a.out}", flush=True)
-    return R.launch("torch-ce bench train", _worker, a)
+    return R.launch("torch-ce bench train", _worker, a,
+                    banner=f"{a.model}, {a.layers} layers, {a.tokens} tokens, param_dtype {a.param_dtype}, "
+                           f"reduce_dtype {a.reduce_dtype}, {a.steps} steps, out {a.out}")
 
 
 def _staging_statement(model, dtype) -> int:
     """Bytes the staging slots should take: every gathered weight's local shard in
-    param_dtype, each slot 512-byte aligned (NOTE [training: staged windows ...])."""
+    param_dtype, each slot 512-byte aligned (NOTE [training: staged windows and step fences] in
+    runtime/staging.py)."""
     from ..runtime import windows as W
 
     return sum(W.align_up(p._local_tensor.numel() * dtype.itemsize) for p in model.parameters())
@@ -93,7 +94,7 @@ def _run(name: str, a: dict, dev, mesh, tokens):
 
     torch._dynamo.reset()
     # warn_only=False: cuDNN attention's backward picks its deterministic algorithm only then
-    # (with warn_only=True it warns and stays non-deterministic: run 32).
+    # (with warn_only=True it warns and stays non-deterministic).
     torch.use_deterministic_algorithms(name.endswith("_det"), warn_only=False)
     pd = torch.bfloat16 if a["param_dtype"] == "bf16" else None
     rd = torch.bfloat16 if a["reduce_dtype"] == "bf16" else torch.float32

@@ -1,9 +1,9 @@
 """Scheduler-node costs for the reorder, in microseconds (compile time).
 
 A CE launch costs wait(launch()) by the curve the run time calibrated
-(NOTE [wait(launch()) cost] in runtime/calibration.py); compute nodes cost our roofline from
-device peaks measured at bind time. NCCL gathers are costed only from rank-identical
-inputs (Inductor's analytical estimate).
+(NOTE [wait(launch()) cost] in runtime/cost_model.py); compute nodes cost our roofline from
+device peaks measured at bind time. NCCL gathers are costed by the same roofline, whose
+inputs (the node's flops and bytes, the device's peaks) are identical on every rank.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import logging
 import torch
 
 from ..inductor_lowering import ce_launch_info
-from ..runtime.calibration import curve_for, measured_peaks
+from ..runtime.cost_model import curve_for, measured_peaks
 
 log = logging.getLogger("torch_ce")
 
@@ -56,7 +56,7 @@ def compute_us(snode) -> float:
     Computed here rather than through ``get_estimated_runtime()``: its unit and its device
     peaks differ across torch releases and machines (on the H200 VM with torch 2.11 it came
     out ~1000x too large, which made every launch look covered and placed it one kernel
-    before its wait). Peaks are measured at bind time (``measure_peaks``).
+    before its wait). Peaks are measured at bind time (``calibration.measure_peaks``).
     """
     try:
         node = snode.get_nodes()[0].node
@@ -72,12 +72,12 @@ def compute_us(snode) -> float:
 
 
 def launch_us(snode) -> float:
-    """wait(launch()) of a transfer launch: our curve for CE, Inductor's for NCCL."""
+    """wait(launch()) of a transfer launch: the calibrated curve for CE, the roofline for NCCL."""
     info = ce_launch_info(snode)
     if info is not None:
-        nbytes, gs, dtype = info
-        return curve_for(dtype, gs).us(nbytes, gs)
-    return compute_us(snode)  # Inductor's analytical NCCL estimate (rank-identical)
+        nbytes, gs, device_type = info
+        return curve_for(device_type, gs).us(nbytes, gs)
+    return compute_us(snode)  # our roofline of the NCCL node (rank-identical inputs)
 
 
 def estimate_op_runtime(snode) -> float:

@@ -59,7 +59,7 @@ class Seed:
     nbytes: int = 0
     # The parameter placeholder the gather input comes from (directly, or through a cast,
     # pad or view): the bind step lists it even when refused, so that every rank agrees
-    # over the same candidates (NOTE [agreement before anything moves] in binding.py).
+    # over the same candidates (NOTE [agreement before anything moves] in agreement.py).
     weight: fx.Node | None = None
 
     @property

@@ -45,6 +45,7 @@ MODULES = (
     "torch_ce.passes.fx_utils",
     "torch_ce.passes.gate",
     "torch_ce.passes.identity",
+    "torch_ce.passes.install",
     "torch_ce.passes.manager",
     "torch_ce.passes.param_names",
     "torch_ce.passes.plan",
@@ -57,7 +58,7 @@ MODULES = (
     "torch_ce.ops",  # op schemas (mutation, aliasing) shape what Inductor emits
     "torch_ce.fake_impls",  # output shapes and dtypes
     "torch_ce.runtime.eligibility",  # the gate's shard predicate
-    "torch_ce.runtime.calibration",  # the default cost curves the reorder places launches by
+    "torch_ce.runtime.cost_model",  # the default cost curves the reorder places launches by
     "torch_ce.config",  # defaults, cache_key(), derived byte sizes
 )
 
@@ -79,7 +80,10 @@ def identity(config) -> str:
     """The cache identity of torch_ce's compile side under ``config``: its code, every
     config value that changes what it emits, and what of this rank can change the graph
     being compiled (NOTE [a cache shared by ranks])."""
-    text = code_identity() + repr(config.cache_key()) + rank_view()
+    from ..runtime import cost_model
+
+    # NOTE [the compiler reads a snapshot] in runtime/cost_model.py: which curves, not their values.
+    text = code_identity() + repr(config.cache_key()) + rank_view() + cost_model.current().identity()
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -1,20 +1,23 @@
-"""The pass manager: runs gate -> plan -> rewrite -> bucket on each post-grad graph, and
-installs / removes torch_ce in ``torch._inductor.config`` exactly.
+"""The pass pipeline: gate -> plan -> rewrite -> rows -> bucket -> prefetch on each post-grad
+graph, and the record ``explain()`` reads.
 
 Order (DESIGN.md, "The pipeline"): gate decides per gather; plan lists the weights the bind
-step takes; rewrite retargets the eligible gathers and inserts the bind step; bucket
-coalesces adjacent ones. The reorder (``reorder.py``) runs later, on Inductor's scheduler nodes.
+step takes; rewrite retargets the eligible gathers and inserts the bind step (the stage step
+in a training graph); rows turns embedding lookups of a gathered weight into row gathers;
+bucket coalesces adjacent gathers; prefetch (opt-in) lists the next call's first weights.
+The reorder (``reorder.py``) runs later, on Inductor's scheduler nodes; the joint-graph
+reshard (``reshard.py``) earlier. ``install.py`` puts these passes into Inductor's config.
 
-The manager is a ``CustomGraphPass`` whose ``uuid()`` is ``identity.identity(config)`` (the
-source of every module that shapes the compiled graph, and every config value that changes
-it), so the FX graph cache stays on and stays correct.
+``TorchCEPass`` is a ``CustomGraphPass`` whose ``uuid()`` is ``identity.identity(config)``
+(the source of every module that shapes the compiled graph, and every config value that
+changes it), so the FX graph cache stays on and stays correct.
 """
 from __future__ import annotations
 
 import collections
-import hashlib
+import contextlib
 import logging
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -25,18 +28,27 @@ except ImportError:  # pragma: no cover - older torch: gate.graph_reason falls b
     _PassBase = CustomGraphPass
 
 from .. import report
-from ..config import config, update
+from ..config import config
 from . import bucket as bucket_mod
 from . import gate as gate_mod, param_names, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
 from . import rows as rows_mod
 from .identity import identity
-from .reshard import ReshardPass
 
 log = logging.getLogger("torch_ce")
 
 
-# Callables run with each graph after our passes (tests record golden dumps here).
-observers: list = []
+_observers: list[Callable[[fx.Graph], None]] = []
+
+
+@contextlib.contextmanager
+def observing(fn: Callable[[fx.Graph], None]) -> Iterator[None]:
+    """Inside the block, ``fn(graph)`` runs on each post-grad graph after our passes (the
+    golden-dump tests record what the passes did)."""
+    _observers.append(fn)
+    try:
+        yield
+    finally:
+        _observers.remove(fn)
 
 
 def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.GraphRecord | None:
@@ -107,167 +119,8 @@ class TorchCEPass(_PassBase):
 
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
         run_passes(graph, is_inference)
-        for fn in observers:
+        for fn in list(_observers):
             fn(graph)
 
     def uuid(self) -> Any:
         return identity(config)  # NOTE in identity.py: code, config and this rank's view
-
-
-class _Chained(_PassBase):
-    """A pass the user had installed, then ours (2.11 takes one callable per hook)."""
-
-    def __init__(self, first, second):
-        self.first, self.second = first, second
-
-    def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
-        if _PassBase is not CustomGraphPass and isinstance(self.first, _PassBase):
-            self.first(graph, is_inference=is_inference)
-        else:
-            self.first(graph)
-        self.second(graph, is_inference)
-
-    def uuid(self) -> Any:
-        u = getattr(self.first, "uuid", None)
-        first = u() if callable(u) else None
-        if first is None:  # a bare function bypasses the caches, as it did before us
-            return None
-        return hashlib.sha256((str(first) + str(self.second.uuid())).encode()).hexdigest()
-
-
-# Inductor settings that fight ours while our pass or our reorder is installed (NOTE in
-# DESIGN.md: they only match all_gather_into_tensor, 2.11's overlap scheduler crashes on our
-# buckets, and a second comm scheduler or Inductor's own CE gathers would undo our reorder's
-# placement or its NCCL baseline).
-_OFF = [
-    # Hoists every collective to the top of the graph, which would make all weight gathers
-    # "program-adjacent" (one bucket) and leave our reorder nothing to place.
-    ("reorder_for_locality", False),
-    ("bucket_all_gathers_fx", "none"),
-    ("aten_distributed_optimizations.enable_overlap_scheduling", False),
-    ("aten_distributed_optimizations.enable_low_contention_collectives", False),
-]
-
-class _ChainedJoint(CustomGraphPass):
-    """A joint-graph pass the user had installed, then ours."""
-
-    def __init__(self, first, second):
-        self.first, self.second = first, second
-
-    def __call__(self, graph: fx.Graph) -> None:
-        self.first(graph)
-        self.second(graph)
-
-    def uuid(self) -> Any:
-        u = getattr(self.first, "uuid", None)
-        first = u() if callable(u) else None
-        if first is None:
-            return None
-        return hashlib.sha256((str(first) + str(self.second.uuid())).encode()).hexdigest()
-
-
-_saved: dict[str, Any] | None = None
-_pass = TorchCEPass()
-_reshard = ReshardPass()
-
-
-def _get(cfg, dotted: str):
-    obj = cfg
-    *head, last = dotted.split(".")
-    for h in head:
-        obj = getattr(obj, h, None)
-        if obj is None:
-            return _MISSING
-    return getattr(obj, last, _MISSING)
-
-
-def _set(cfg, dotted: str, value) -> None:
-    obj = cfg
-    *head, last = dotted.split(".")
-    for h in head:
-        obj = getattr(obj, h)
-    setattr(obj, last, value)
-
-
-_MISSING = object()
-
-
-def _install(ic) -> dict[str, Any]:
-    """Apply the current config to Inductor's; returns the old values of what it changed.
-
-    Our post-grad pass, always: with "copy_engine" it rewrites gathers; with "nccl" it
-    leaves every graph as it is and only carries our cache identity, whose per-rank part
-    keeps a cache dir shared by the ranks safe (NOTE [a cache shared by ranks] in
-    identity.py). reorder: our reorder pass and cost estimate (either transport: with
-    "nccl" it reorders the NCCL gathers). With "copy_engine" or reorder, the ``_OFF``
-    settings; ``enable(transport="nccl", reorder=False)`` changes nothing else.
-    """
-    ce, reorder = config.transport == "copy_engine", config.reorder
-    keys = ["post_grad_custom_post_pass"]
-    if config.reshards_after_forward:
-        keys.append("joint_custom_pre_pass")
-    if reorder:
-        keys += ["reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes",
-                 "estimate_op_runtime"]
-    if ce or reorder:
-        keys += [k for k, _ in _OFF]
-    saved = {k: _get(ic, k) for k in keys}
-    prev = saved["post_grad_custom_post_pass"]
-    if prev is None:
-        ic.post_grad_custom_post_pass = _pass
-    elif isinstance(prev, (list, tuple)):
-        ic.post_grad_custom_post_pass = type(prev)([*prev, _pass])
-    else:
-        ic.post_grad_custom_post_pass = _Chained(prev, _pass)
-    if config.reshards_after_forward:  # NOTE [reshard after forward] in reshard.py
-        prev = saved["joint_custom_pre_pass"]
-        ic.joint_custom_pre_pass = _reshard if prev in (None, _MISSING) else _ChainedJoint(prev, _reshard)
-    if reorder:
-        from .reorder import install as install_reorder
-
-        install_reorder(ic)
-    if ce or reorder:
-        for k, v in _OFF:
-            if saved[k] is not _MISSING:
-                _set(ic, k, v)
-    return saved
-
-
-def _restore(ic) -> None:
-    global _saved
-    for k, v in (_saved or {}).items():
-        if v is not _MISSING:
-            _set(ic, k, v)
-    _saved = None
-
-
-def enable(**overrides: Any):
-    """Apply ``overrides`` to the config, then make Inductor's config match it: each call
-    first undoes what the previous one installed (``enable(); enable(reorder=False)``
-    leaves no reorder), so ``disable()`` restores what was there before the first call."""
-    global _saved
-    import torch._inductor.config as ic
-
-    if overrides:
-        update(**overrides)
-    from ..inductor_lowering import register_lowerings
-
-    register_lowerings()
-    _restore(ic)
-    _saved = _install(ic)
-    log.info("torch_ce: enabled (transport=%s, reorder=%s)", config.transport, config.reorder)
-    return config
-
-
-def disable() -> None:
-    """Restore every Inductor setting enable() changed, exactly."""
-    import torch._inductor.config as ic
-
-    if _saved is None:
-        return
-    _restore(ic)
-    log.info("torch_ce: disabled")
-
-
-def is_enabled() -> bool:
-    return _saved is not None

@@ -1,6 +1,6 @@
 """Prefetch: list the graph's first CE weights in one ``magi.ce_prefetch`` at its last launch.
 
-NOTE [cross-call prefetch] in torch_ce/prefetch.py says why and what it costs. After
+NOTE [cross-call prefetch] in torch_ce/runtime/prefetch.py says why and what it costs. After
 bucketing, the leading CE buckets of the graph's first CE group, in program order, are
 taken while their gathered bytes stay within ``config.prefetch_next_call_mib``; their shards
 go into one prefetch inserted right after the graph's last CE launch, so at run time its

@@ -286,7 +286,7 @@ def _make_pass(digest: str) -> LatestSafeLaunch:
 
 
 def install(ic) -> None:
-    """Make ours the only reorder pass (restored by manager.disable)."""
+    """Make ours the only reorder pass (restored by install.disable)."""
     ic.reorder_for_compute_comm_overlap = True
     ic.reorder_for_compute_comm_overlap_passes = [LatestSafeLaunch()]
     ic.estimate_op_runtime = cost_mod.estimate_op_runtime

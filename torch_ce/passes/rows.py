@@ -30,8 +30,9 @@ then, on every rank). A weight any other node reads (a tied LM head; an output) 
 its gathers full: the table is gathered in this forward anyway. ``max_norm`` shows as
 ``aten.embedding_renorm`` between the gather and the lookup (it renormalizes the gathered
 rows in place): refused as well. ``padding_idx``, ``scale_grad_by_freq`` and ``sparse``
-change only the backward (aten's embedding forward is an ``index_select``) and the gate
-lets only inference graphs through, so lookups with them are row gathers too.
+change only the backward (aten's embedding forward is an ``index_select``) and row gathers
+are made only in inference graphs (a training graph's gathers read staging slots, so its
+embeddings are gathered in full: manager.py), so lookups with them are row gathers too.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 Windows and pools (``windows``), the bind and its agreement (``binding``, ``bind_step``),
 the transports (``cuda``: copy engines; ``host``: shared memory on CPU), the C++ kernels'
-loader (``native``), the cross-call prefetch park (``prefetch``) and the cost calibration
-(``calibration``). Nothing here imports the compile side (``torch_ce.passes``,
+loader (``native``), the cross-call prefetch park (``prefetch``), the cost calibration
+(``calibration``) and what it publishes for the compiler (``cost_model``). Nothing here
+imports the compile side (``torch_ce.passes``,
 ``torch_ce.inductor_lowering``); ``docs/DESIGN.md`` lists the allowed imports and
 ``test/test_layout.py`` enforces them.
 """

@@ -229,7 +229,7 @@ def _off_the_graph_pool(fn, device: torch.device):
     runs inside that first run. What a bind leaves allocated would sit in the pool
     untracked, and the trees refuse to record ("tensors in the cudagraph pool not tracked
     as outputs"). From its own thread the bind allocates from the ordinary caching
-    allocator. Binding on a side stream of the same thread did not help (run 8): the
+    allocator. Binding on a side stream of the same thread did not help (measured): the
     routing is by thread. The bind is bounded (NOTE [bind is exception-safe]), so the join
     is too.
     """

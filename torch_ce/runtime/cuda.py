@@ -2,8 +2,9 @@
 
 # NOTE [copy-engine gather]
 A gather of a bucket is: the copy streams wait on the current stream (the fresh outputs
-were allocated there), one ``cudaMemcpyBatchAsync`` submits every (member x peer) read,
-an event is recorded, and the outputs are registered as c10d work. ``wait_tensor`` on an
+were allocated there), one ``cudaMemcpyBatchAsync`` on the peer-copy stream submits every
+(member x peer) read while a second copy stream copies this rank's own rows (a same-device
+copy inside the peer batch held the peer reads back), an event is recorded after both, and the outputs are registered as c10d work. ``wait_tensor`` on an
 output makes the consumer's stream wait on that event. No SM kernel runs and no rank
 waits for another: the sources are static weights published once at bind time.
 When the batched API is missing (runtime < 12.8) or a CUDA graph is being captured (the

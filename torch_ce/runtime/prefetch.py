@@ -15,7 +15,8 @@ drops the whole set (another graph runs in between: graph breaks, a different ba
 
 What it costs and assumes:
 - The parked outputs stay allocated between calls (FSDP's "do not reshard the root").
-- Weights are static while bound (the CE contract, DESIGN.md "Inference only"). Changing
+- Weights are static while bound (the CE contract of inference graphs, DESIGN.md
+  "Decisions and why": "Inference graphs bind in place"). Changing
   them takes: finish the reads (``torch.cuda.synchronize()``: the last call's prefetch
   runs past its return), a barrier, the update on every rank, a barrier. A parked output
   holds the values read at the end of the previous call: an update made through this

@@ -48,13 +48,13 @@ i.e. the local shard's numel x param_dtype's size (+50% of fp32 sharded paramete
 bf16 param_dtype, +100% without mixed precision), plus the windows' growth slack
 (NOTE [windows that pool]).
 
-``TORCH_CE_UNSAFE_NO_STEP_FENCE=1`` skips both fences. It exists for the test that shows
-the fences are needed (a delayed rank then reads stale weights); never use it otherwise.
+``unsafe_no_step_fence()`` skips both fences inside its block. It exists for the test that
+shows the fences are needed (a delayed rank then reads stale weights); never use it otherwise.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import weakref
 
 import torch
@@ -69,8 +69,24 @@ _flags: dict = {}
 W.on_release(_flags.clear)
 
 
+_no_step_fence = False  # only unsafe_no_step_fence() sets it
+
+
+@contextlib.contextmanager
+def unsafe_no_step_fence():
+    """Skip both step fences inside the block, in this process (every rank enters it
+    itself): the negative control of test/test_training_host.py, where a delayed peer then
+    reads stale slots. Never for anything else."""
+    global _no_step_fence
+    old, _no_step_fence = _no_step_fence, True
+    try:
+        yield
+    finally:
+        _no_step_fence = old
+
+
 def fences_disabled() -> bool:
-    return os.environ.get("TORCH_CE_UNSAFE_NO_STEP_FENCE", "") == "1"
+    return _no_step_fence
 
 
 def fence(groups: list) -> None:

@@ -1,0 +1,181 @@
+"""Installs torch_ce's passes into ``torch._inductor.config`` and removes them exactly.
+
+``enable()`` applies the config, then makes Inductor's config match it: our post-grad pass
+(``manager.TorchCEPass``, chained after whatever the user installed), the joint-graph
+reshard when it is on, our reorder and cost estimate when ``reorder`` is on, and the
+Inductor settings that would fight them turned off (``_OFF``). Each call first undoes the
+previous one, and ``disable()`` restores every setting it changed, exactly.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from ..config import config, update
+from .manager import TorchCEPass, _PassBase
+from .reshard import ReshardPass
+
+log = logging.getLogger("torch_ce")
+
+
+class _Chained(_PassBase):
+    """A pass the user had installed, then ours (2.11 takes one callable per hook)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
+        if _PassBase is not CustomGraphPass and isinstance(self.first, _PassBase):
+            self.first(graph, is_inference=is_inference)
+        else:
+            self.first(graph)
+        self.second(graph, is_inference)
+
+    def uuid(self) -> Any:
+        u = getattr(self.first, "uuid", None)
+        first = u() if callable(u) else None
+        if first is None:  # a bare function bypasses the caches, as it did before us
+            return None
+        return hashlib.sha256((str(first) + str(self.second.uuid())).encode()).hexdigest()
+
+
+# Inductor settings that fight ours while our pass or our reorder is installed (NOTE in
+# DESIGN.md: they only match all_gather_into_tensor, 2.11's overlap scheduler crashes on our
+# buckets, and a second comm scheduler or Inductor's own CE gathers would undo our reorder's
+# placement or its NCCL baseline).
+_OFF = [
+    # Hoists every collective to the top of the graph, which would make all weight gathers
+    # "program-adjacent" (one bucket) and leave our reorder nothing to place.
+    ("reorder_for_locality", False),
+    ("bucket_all_gathers_fx", "none"),
+    ("aten_distributed_optimizations.enable_overlap_scheduling", False),
+    ("aten_distributed_optimizations.enable_low_contention_collectives", False),
+]
+
+class _ChainedJoint(CustomGraphPass):
+    """A joint-graph pass the user had installed, then ours."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.first(graph)
+        self.second(graph)
+
+    def uuid(self) -> Any:
+        u = getattr(self.first, "uuid", None)
+        first = u() if callable(u) else None
+        if first is None:
+            return None
+        return hashlib.sha256((str(first) + str(self.second.uuid())).encode()).hexdigest()
+
+
+_saved: dict[str, Any] | None = None
+_pass = TorchCEPass()
+_reshard = ReshardPass()
+
+
+def _get(cfg, dotted: str):
+    obj = cfg
+    *head, last = dotted.split(".")
+    for h in head:
+        obj = getattr(obj, h, None)
+        if obj is None:
+            return _MISSING
+    return getattr(obj, last, _MISSING)
+
+
+def _set(cfg, dotted: str, value) -> None:
+    obj = cfg
+    *head, last = dotted.split(".")
+    for h in head:
+        obj = getattr(obj, h)
+    setattr(obj, last, value)
+
+
+_MISSING = object()
+
+
+def _install(ic) -> dict[str, Any]:
+    """Apply the current config to Inductor's; returns the old values of what it changed.
+
+    Our post-grad pass, always: with "copy_engine" it rewrites gathers; with "nccl" it
+    leaves every graph as it is and only carries our cache identity, whose per-rank part
+    keeps a cache dir shared by the ranks safe (NOTE [a cache shared by ranks] in
+    identity.py). reorder: our reorder pass and cost estimate (either transport: with
+    "nccl" it reorders the NCCL gathers). With "copy_engine" or reorder, the ``_OFF``
+    settings; ``enable(transport="nccl", reorder=False)`` changes nothing else.
+    """
+    ce, reorder = config.transport == "copy_engine", config.reorder
+    keys = ["post_grad_custom_post_pass"]
+    if config.reshards_after_forward:
+        keys.append("joint_custom_pre_pass")
+    if reorder:
+        keys += ["reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes",
+                 "estimate_op_runtime"]
+    if ce or reorder:
+        keys += [k for k, _ in _OFF]
+    saved = {k: _get(ic, k) for k in keys}
+    prev = saved["post_grad_custom_post_pass"]
+    if prev is None:
+        ic.post_grad_custom_post_pass = _pass
+    elif isinstance(prev, (list, tuple)):
+        ic.post_grad_custom_post_pass = type(prev)([*prev, _pass])
+    else:
+        ic.post_grad_custom_post_pass = _Chained(prev, _pass)
+    if config.reshards_after_forward:  # NOTE [reshard after forward] in reshard.py
+        prev = saved["joint_custom_pre_pass"]
+        ic.joint_custom_pre_pass = _reshard if prev in (None, _MISSING) else _ChainedJoint(prev, _reshard)
+    if reorder:
+        from .reorder import install as install_reorder
+
+        install_reorder(ic)
+    if ce or reorder:
+        for k, v in _OFF:
+            if saved[k] is not _MISSING:
+                _set(ic, k, v)
+    return saved
+
+
+def _restore(ic) -> None:
+    global _saved
+    for k, v in (_saved or {}).items():
+        if v is not _MISSING:
+            _set(ic, k, v)
+    _saved = None
+
+
+def enable(**overrides: Any):
+    """Apply ``overrides`` to the config, then make Inductor's config match it: each call
+    first undoes what the previous one installed (``enable(); enable(reorder=False)``
+    leaves no reorder), so ``disable()`` restores what was there before the first call."""
+    global _saved
+    import torch._inductor.config as ic
+
+    if overrides:
+        update(**overrides)
+    from ..inductor_lowering import register_lowerings
+
+    register_lowerings()
+    _restore(ic)
+    _saved = _install(ic)
+    log.info("torch_ce: enabled (transport=%s, reorder=%s)", config.transport, config.reorder)
+    return config
+
+
+def disable() -> None:
+    """Restore every Inductor setting enable() changed, exactly."""
+    import torch._inductor.config as ic
+
+    if _saved is None:
+        return
+    _restore(ic)
+    log.info("torch_ce: disabled")
+
+
+def is_enabled() -> bool:
+    return _saved is not None
