@@ -81,8 +81,8 @@ def stale_note_references(root: str, files: list[str]) -> list[str]:
     return bad
 
 
-# Paths inside other projects (prior art, torch's own sources), not this repository's.
-EXTERNAL = ("torch/", "torchtitan/", "experiments/", "magi_compiler/")
+# Paths inside other projects (prior art, torch's own sources, the CUDA wheels' headers), not this repository's.
+EXTERNAL = ("torch/", "torchtitan/", "experiments/", "magi_compiler/", "crt/", "nvidia/")
 
 
 def missing_paths(root: str, doc: str) -> list[str]:
