@@ -33,11 +33,13 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
     key = (tuple(names), shards[0].data_ptr())
     if key in _done:
         return
-    if all(W.lookup(s) is not None for s in shards):
+    from .binding import Candidate, bind_candidates, local_reason, resolved
+
+    # Resolved by a bind round, empty shards included (NOTE [empty shards] in binding.py):
+    # the same answer on every rank of the step.
+    if all(resolved(s) is not None for s in shards):
         _remember(key, shards[0])
         return
-    from ..config import config
-    from .binding import Candidate, bind_candidates, local_reason
     from .eligibility import Reason, refusal
 
     resolve = torch._C._distributed_c10d._resolve_process_group

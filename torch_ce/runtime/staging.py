@@ -127,9 +127,12 @@ def _fence_groups(entries) -> list:
 def run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, refresh) -> None:
     """Bind the staging slots (first run), and when ``refresh`` (a training forward) fence,
     copy every weight (cast) into its slot, fence."""
+    from .binding import resolved
+
     dts = [getattr(torch, d) for d in dtypes]
     entries = [W.staged(p, d) for p, d in zip(params, dts)]
-    if any(e is None for e in entries):
+    # Empty shards too (NOTE [empty shards] in binding.py): every rank binds at the same call.
+    if any(resolved(p, d) is None for p, d in zip(params, dts)):
         # First run (or a weight replaced since): bind; the bind's last exchange publishes
         # the copies it made, so a backward that binds needs no fence of its own.
         _bind_new(params, dts, group_sizes, group_names, names, reasons)
