@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ..config import config
 from . import native
 from . import windows as W
-from .agreement import BindError, Round, agree, descriptor, refuse_split_staging
+from .agreement import BindError, Descriptor, Round, agree, descriptor, refuse_split_staging
 from .eligibility import Reason, Refusal, refusal, shard_refusal
 
 log = logging.getLogger("torch_ce")
@@ -307,8 +307,9 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
     try:
         # 1. agree
         mine = [descriptor(c) for c in todo]
-        everyone = rnd.exchange("agree", {"cands": mine, "token": uuid.uuid4().hex[:8]})
-        theirs = {r: v["cands"] for r, v in everyone.items()}
+        everyone = rnd.exchange("agree", {"cands": [d.to_json() for d in mine],
+                                          "token": uuid.uuid4().hex[:8]})
+        theirs = {r: [Descriptor.from_json(d) for d in v["cands"]] for r, v in everyone.items()}
         verdicts = agree(todo, mine, theirs)
         refuse_split_staging(todo, theirs)
         job = everyone[min(everyone)]["token"]
