@@ -133,8 +133,9 @@ def graph_reason(graph: fx.Graph, is_inference: bool | None = None,
 # nothing. Which inputs a graph mutates is AOTAutograd's metadata (``input_info``), the
 # same on every rank; a placeholder maps to its input index by its name (``primals_<k>``
 # in training graphs, forward and backward alike; ``arg<k>_1`` in inference graphs) or,
-# failing that, by its position. A backward graph whose placeholders cannot be mapped
-# refuses every gather when any input is mutated (the old rule, kept only there).
+# failing that, by its position (a backward's other placeholders are saved activations,
+# not inputs). Inputs are counted as AOTAutograd flattens them (a DTensor parameter is one
+# input, its local shard), as ``_is_weight`` counts ``static_input_indices``.
 _MUTATED = Refusal(Reason.MUTATING_GRAPH,
                    "the graph mutates this weight in place (it may change under a peer's read)")
 
@@ -151,9 +152,8 @@ def _input_index(ph: fx.Node, pos: int, backward: bool) -> int | None:
     return None if backward else pos
 
 
-def mutated_inputs(graph: fx.Graph) -> set[fx.Node] | None:
-    """The placeholders whose input the graph mutates (data or metadata); None when some
-    are mutated and this graph's placeholders cannot be mapped to inputs."""
+def mutated_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """The placeholders whose input the graph mutates (data or metadata)."""
     md = _aot_metadata()
     if md is None:
         return set()
@@ -167,17 +167,14 @@ def mutated_inputs(graph: fx.Graph) -> set[fx.Node] | None:
         if ph.name.startswith("tangents_"):
             continue
         k = _input_index(ph, pos, backward)
-        if k is None:
-            return None
+        if k is None:  # a backward's saved activation: not an input of the step
+            continue
         if k in idx:
             out.add(ph)
     return out
 
 
-def _mutation_reason(weight: fx.Node | None, mutated: set[fx.Node] | None) -> Refusal | None:
-    if mutated is None:
-        return Refusal(Reason.MUTATING_GRAPH,
-                       "graph mutates its inputs and its gathered inputs cannot be told apart")
+def _mutation_reason(weight: fx.Node | None, mutated: set[fx.Node]) -> Refusal | None:
     return _MUTATED if weight is not None and weight in mutated else None
 
 
@@ -384,7 +381,7 @@ def slot_facts(wg: WeightGather) -> tuple[int | None, int | None, int]:
 
 
 def serving_refusal(gather: fx.Node, cfg: Config, *, training: bool, ph_index: dict,
-                    mutated: set[fx.Node] | None) -> Refusal | None:
+                    mutated: set[fx.Node]) -> Refusal | None:
     """Why the copy engines would not serve this gather (None: they would), decided only
     from facts that are the same on every rank: which parameter is gathered, its input
     chain up to an optional pad (whether a pad is there is *not* asked: only the ranks with
