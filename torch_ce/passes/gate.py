@@ -291,8 +291,10 @@ def gate(graph: fx.Graph, cfg: Config, is_inference: bool | None = None) -> list
         if (root is not None and root.op == "placeholder" and _is_weight(root, ph_index[root])
                 and not any(U.is_wait(n) for n in _chain(x)[0])):
             seed.weight = root
-        if seed.reason is None:  # NOTE [mutated inputs are refused per weight]
-            seed.reason = _mutation_reason(root, mutated)
+        # NOTE [mutated inputs are refused per weight]: said first (a mutated weight's
+        # gather usually reads the new value, which is not the shard either).
+        if whole is None and root is not None and root.op == "placeholder":
+            seed.reason = _mutation_reason(root, mutated) or seed.reason
         seeds.append(seed)
     return seeds
 

@@ -40,7 +40,7 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
     if all(resolved(s) is not None for s in shards):
         _remember(key, shards[0])
         return
-    from .eligibility import Reason, refusal
+    from .eligibility import Reason, decode, refusal
 
     resolve = torch._C._distributed_c10d._resolve_process_group
     cands = []
@@ -55,7 +55,7 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
                 "created). Run compiled graphs before destroying their process groups."
             ) from e
         # A compile-time refusal still takes part in the agreement (as refused).
-        reason = refusal(Reason.OTHER, why) if why else local_reason(t, pg)
+        reason = decode(why) if why else local_reason(t, pg)
         if reason is None and pg.size() != gs:
             reason = refusal(Reason.GROUP_SIZE_MISMATCH, f"group size {pg.size()} != gather group size {gs}")
         cands.append(Candidate(name, t, pg, reason))

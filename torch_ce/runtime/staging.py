@@ -89,7 +89,7 @@ def _bind_new(params, dtypes, group_sizes, group_names, names, reasons) -> None:
     """One bind round for the weights that have no staging entry yet (agreed by every rank)."""
     from .. import report
     from .binding import Candidate, bind_candidates, local_reason
-    from .eligibility import Reason, refusal
+    from .eligibility import Reason, decode, refusal
 
     resolve = torch._C._distributed_c10d._resolve_process_group
     cands = []
@@ -107,7 +107,7 @@ def _bind_new(params, dtypes, group_sizes, group_names, names, reasons) -> None:
                 "write the window while peers read it. Run the training graphs before "
                 "compiling inference graphs on the same weights, or keep inference on the "
                 "collective (torch_ce.enable(training=...) / transport='nccl').")
-        reason = refusal(Reason.OTHER, why) if why else local_reason(p, pg, stage_dtype=d)
+        reason = decode(why) if why else local_reason(p, pg, stage_dtype=d)
         if reason is None and pg.size() != gs:
             reason = refusal(Reason.GROUP_SIZE_MISMATCH, f"group size {pg.size()} != gather group size {gs}")
         cands.append(Candidate(name, p, pg, reason, stage_dtype=d))
