@@ -120,9 +120,8 @@ def _rank_never_worse(rank, world, seed, cache):
     return out
 
 
-def test_refused_model_adds_no_collectives(tmp_path):
-    res = run_ranks(_rank_never_worse, WORLD, seed_base(), str(tmp_path), timeout=300)
-    for rank, r in enumerate(res):
+def test_refused_model_adds_no_collectives(results):
+    for rank, r in enumerate(r["never_worse"] for r in results):
         plain = tuple(map(sum, zip(*r["plain_graphs"])))
         assert len(r["plain_graphs"]) == 2 and plain[0] > 0, (rank, r["plain_graphs"])
         for name in ("all_refused", "some_refused"):
@@ -174,9 +173,19 @@ def _rank_rows(rank, world, seed, cache):
                 as_dict=e.as_dict()["coverage"], table=e.table(), graphs=len(e.graphs))
 
 
-def test_coverage_counts_looked_up_rows(tmp_path):
-    res = run_ranks(_rank_rows, WORLD, seed_base(), str(tmp_path), timeout=200)
-    for rank, r in enumerate(res):
+def _rank_both(rank, world, seed, cache):
+    return dict(never_worse=_rank_never_worse(rank, world, seed, cache),
+                rows=_rank_rows(rank, world, seed, cache))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """One spawn of 2 ranks for both tests."""
+    return run_ranks(_rank_both, WORLD, seed_base(), str(tmp_path_factory.mktemp("coverage")), timeout=400)
+
+
+def test_coverage_counts_looked_up_rows(results):
+    for rank, r in enumerate(r["rows"] for r in results):
         assert r["exact"], rank
         rows = r["rows"]
         # 10 looked-up rows of 16 fp32 values; the full table would be 64 x 16 x 4 B.

@@ -94,10 +94,20 @@ def _rank_buffer(rank, world, seed, cache):
     return out
 
 
-def test_buffer_mutation_keeps_weights_on_the_copy_engines(tmp_path):
-    res = run_ranks(_rank_buffer, WORLD, seed_base(), str(tmp_path), timeout=300)
-    for rank, r in enumerate(res):
-        for mode, m in r.items():
+def _rank_both(rank, world, seed, cache):
+    return dict(buffer=_rank_buffer(rank, world, seed, cache),
+                weight=_rank_weight_mutation(rank, world, seed, cache))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """One spawn of 2 ranks for both tests (a spawn and its compiles are the cost)."""
+    return run_ranks(_rank_both, WORLD, seed_base(), str(tmp_path_factory.mktemp("mutation")), timeout=400)
+
+
+def test_buffer_mutation_keeps_weights_on_the_copy_engines(results):
+    for rank, r in enumerate(results):
+        for mode, m in r["buffer"].items():
             what = f"rank {rank} {mode}"
             assert all(m["exact"]) and m["exact"], f"{what}: differs from the plain compiled run: {m['exact']}"
             assert m["seen_exact"] and m["seen_changed"], f"{what}: the buffer update differs"
@@ -143,9 +153,8 @@ def _rank_weight_mutation(rank, world, seed, cache):
                 share=e.coverage().per_graph[-1].share)
 
 
-def test_mutated_weight_stays_on_the_collective(tmp_path):
-    res = run_ranks(_rank_weight_mutation, WORLD, seed_base(), str(tmp_path), timeout=200)
-    for rank, r in enumerate(res):
+def test_mutated_weight_stays_on_the_collective(results):
+    for rank, r in enumerate(r["weight"] for r in results):
         assert all(r["exact"]), (rank, r)
         assert len(r["refused"]) == 1 and "mutates this weight" in r["refused"][0][1], (rank, r)
         assert r["bound"] == 1, (rank, r)
