@@ -215,7 +215,7 @@ graph():
     %arg6_1 : [num_users=0] = placeholder[target=arg6_1]
     %arg7_1 : [num_users=2] = placeholder[target=arg7_1]
     %arg8_1 : [num_users=0] = placeholder[target=arg8_1]
-    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg3_1, %arg5_1, %arg7_1], [2, 2, 2, 2], [0, 0, 0, 0], [ok.weight, uneven.weight, cast.weight, tiny.weight], [, uneven Shard(0) (gathered rows are sliced), cast before gather (store inference weights in the compute dtype), shard below symm_min_shard_mib (32 B < 100 B)]), kwargs = {})
+    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg3_1, %arg5_1, %arg7_1], [2, 2, 2, 2], [0, 0, 0, 0], [ok.weight, uneven.weight, cast.weight, tiny.weight], [, 27|uneven Shard(0) (gathered rows are sliced), 24|cast before gather (store inference weights in the compute dtype), 8|shard below symm_min_shard_mib (32 B < 100 B)]), kwargs = {})
     %all_gather_into_tensor : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg0_1, 2, 0), kwargs = {})
     %wait_tensor : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor,), kwargs = {})
     %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor, [1, 0]), kwargs = {})
@@ -288,7 +288,7 @@ graph():
     %arg12_1 : [num_users=2] = placeholder[target=arg12_1]
     %arg13_1 : [num_users=0] = placeholder[target=arg13_1]
     %arg14_1 : [num_users=7] = placeholder[target=arg14_1]
-    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg2_1, %arg4_1, %arg6_1, %arg8_1, %arg10_1, %arg12_1], [2, 2, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0], [ws.0, ws.1, ws.2, ws.3, ws.4, ws.5, ws.6], [, , , , , , shard below symm_min_shard_mib (32 B < 40 B)]), kwargs = {})
+    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg2_1, %arg4_1, %arg6_1, %arg8_1, %arg10_1, %arg12_1], [2, 2, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0], [ws.0, ws.1, ws.2, ws.3, ws.4, ws.5, ws.6], [, , , , , , 8|shard below symm_min_shard_mib (32 B < 40 B)]), kwargs = {})
     %ce_all_gather_coalesced_default : [num_users=2] = call_function[target=torch.ops.magi.ce_all_gather_coalesced.default](args = ([%arg0_1, %arg2_1], 2, 0), kwargs = {})
     %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%ce_all_gather_coalesced_default, 0), kwargs = {})
     %getitem_1 : [num_users=1] = call_function[target=operator.getitem](args = (%ce_all_gather_coalesced_default, 1), kwargs = {})

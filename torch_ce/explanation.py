@@ -65,6 +65,58 @@ class WeightRow:
     # A training graph's weight: the dtype of the staging slot its gathers read (NOTE
     # [training: staged windows and step fences] in runtime/staging.py); "" in place.
     staged: str = ""
+    # Coverage (NOTE [coverage bytes] in report.py): the bytes this weight's gathers move
+    # per call of the graph on the copy engines, and on the collective by reason.
+    ce_bytes: int = 0
+    collective_bytes: int = 0
+    by_reason: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Coverage:
+    """Gathered bytes per call: on the copy engines, and on the collective by reason
+    (NOTE [coverage bytes] in report.py: a gather counts the bytes it writes, shard x group
+    size; a row gather the rows it looks up)."""
+
+    ce_bytes: int = 0
+    collective_bytes: int = 0
+    by_reason: dict = dataclasses.field(default_factory=dict)  # reason -> collective bytes
+    graph_id: int | None = None  # None: the total
+
+    @property
+    def share(self) -> float:
+        """ce / (ce + collective); 1.0 when nothing was gathered."""
+        total = self.ce_bytes + self.collective_bytes
+        return self.ce_bytes / total if total else 1.0
+
+    def add(self, ce: int, by_reason: dict) -> None:
+        self.ce_bytes += ce
+        for why, nb in by_reason.items():
+            self.by_reason[why] = self.by_reason.get(why, 0) + nb
+            self.collective_bytes += nb
+
+    def as_dict(self) -> dict:
+        return dict(graph_id=self.graph_id, ce_bytes=self.ce_bytes,
+                    collective_bytes=self.collective_bytes, share=self.share,
+                    by_reason=dict(self.by_reason))
+
+    def line(self) -> str:
+        label = "total" if self.graph_id is None else f"graph {self.graph_id}"
+        why = "".join(f"; {nb:,d} B {reason}" for reason, nb in
+                      sorted(self.by_reason.items(), key=lambda kv: -kv[1]))
+        return (f"coverage {label}: {100 * self.share:.1f}% of {self.ce_bytes + self.collective_bytes:,d} "
+                f"gathered B on the copy engines ({self.ce_bytes:,d} B){why}")
+
+
+@dataclasses.dataclass
+class CoverageReport:
+    """``explain().coverage()``: ``per_graph`` in the order of ``explain().graphs``."""
+
+    total: Coverage
+    per_graph: list
+
+    def as_dict(self) -> dict:
+        return dict(total=self.total.as_dict(), per_graph=[c.as_dict() for c in self.per_graph])
 
 
 @dataclasses.dataclass
@@ -76,8 +128,22 @@ class Explanation:
     weights: list[WeightRow]
     kernel_paths: dict  # device type -> gather kernel path in use (when the runtime says)
 
+    def coverage(self) -> CoverageReport:
+        """The share of gathered bytes on the copy engines, per graph and in total, and
+        what stayed on the collective by reason (from the weight rows: the run-time verdict,
+        a bind's fallback included)."""
+        per = {g.graph_id: Coverage(graph_id=g.graph_id) for g in self.graphs}
+        total = Coverage()
+        for w in self.weights:
+            c = per.get(w.graph_id)
+            if c is not None:
+                c.add(w.ce_bytes, w.by_reason)
+            total.add(w.ce_bytes, w.by_reason)
+        return CoverageReport(total, [per[g.graph_id] for g in self.graphs])
+
     def as_dict(self) -> dict:
         return dict(
+            coverage=self.coverage().as_dict(),
             config=self.config,
             graphs=[dataclasses.asdict(g) for g in self.graphs],
             binds=[dataclasses.asdict(b) for b in self.binds],
@@ -125,6 +191,10 @@ class Explanation:
                 else:
                     out.append(f"  overlap  {r['launches']} launch(es), {r['compute_limited']} compute-limited"
                                + ("" if r["valid"] else " (order rejected: unchanged)"))
+        cov = self.coverage()
+        for c in cov.per_graph:
+            out.append(c.line())
+        out.append(cov.total.line())
         for i, b in enumerate(self.binds):
             out.append(f"bind {i}: {len(b.bound)} moved into windows ({b.bytes_bound / 2**20:.2f} MiB), "
                        f"{len(b.already_bound)} already bound, {len(b.skipped)} skipped, "
@@ -163,14 +233,22 @@ def _weights(graphs, binds) -> list[WeightRow]:
                             mesh_dim=report.mesh_dims.get(str(b.get("group", "")), ""),
                             rows=dict(b.get("rows") or {}), staged=b.get("staged") or "")
             slot = slots.get((key, row.staged)) or (slots.get(key) if not row.staged else None)
+            ce, by = b.get("ce_gathered_bytes", 0), dict(b.get("collective_bytes") or {})
             if slot is not None:
                 row.status, row.window, row.offset = "bound", slot.window.index, slot.offset
             elif key in skipped:
                 row.status, row.reason = "fallback", skipped[key]
+            if slot is None and ce:  # refused at bind, or planned and no bind has run here
+                why = row.reason or "not bound yet (its graph has not run here)"
+                by[why] = by.get(why, 0) + ce
+                ce = 0
+            row.ce_bytes, row.by_reason, row.collective_bytes = ce, by, sum(by.values())
             rows.append(row)
         for r in g.refused:
+            by = dict(r.get("collective_bytes") or {})
             rows.append(WeightRow(g.graph_id, r.get("param") or r["name"], r["name"], "refused",
-                                  r.get("gathers", 1), reason=r["reason"]))
+                                  r.get("gathers", 1), reason=r["reason"],
+                                  collective_bytes=sum(by.values()), by_reason=by))
     return rows
 
 

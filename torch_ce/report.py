@@ -9,26 +9,79 @@ import threading
 _lock = threading.Lock()
 
 
+class _Readable:
+    """Dict-style reads (``rec["reason"]``, ``rec.get("rows")``) of a typed record, for
+    code written against the dicts these records were."""
+
+    def __getitem__(self, key: str):
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default=None):
+        return getattr(self, key, default)
+
+
+@dataclasses.dataclass
+class WeightRecord(_Readable):
+    """One weight of one graph (not one gather: a forward may gather a weight twice).
+    ``param``: the parameter's name (NOTE [parameter names]); ``name``: the post-grad
+    placeholder; ``gathers``: how many gathers of it the graph holds.
+
+    NOTE [coverage bytes]: ``gathered_bytes`` is what this weight's gathers move per call
+    of the graph, counted as the bytes a gather call writes to its output (local shard x
+    group size: the padded size of an uneven Shard(0)), summed over its gathers; a weight
+    read by row gathers counts the looked-up rows x row bytes instead (the most the row
+    gather reads; its full size when an ids shape is dynamic). ``ce_gathered_bytes``: the
+    part the gate put on the copy engines; the rest stayed on the collective, by reason
+    (``collective_bytes``). Whether a planned weight really is on the copy engines is the
+    run time's (a bind may still refuse it): explain() completes it."""
+
+    name: str
+    param: str
+    gathers: int = 1
+    gathered_bytes: int = 0
+    ce_gathered_bytes: int = 0
+    collective_bytes: dict = dataclasses.field(default_factory=dict)  # reason -> bytes
+
+
+@dataclasses.dataclass
+class BoundWeight(WeightRecord):
+    """A weight with at least one gather retargeted to the copy engines."""
+
+    bytes: int = 0  # the local shard's bytes (what its window slot holds)
+    group: str = ""
+    refused_gathers: list = dataclasses.field(default_factory=list)  # reasons of the others
+    # A weight embedding lookups read: its row gather's account, or why it is gathered in
+    # full (passes/rows.py); None otherwise.
+    rows: dict | None = None
+    staged: str | None = None  # a training graph's staging slot dtype; None: in place
+
+
+@dataclasses.dataclass
+class RefusedWeight(WeightRecord):
+    """A weight whose every gather stays on the collective backend."""
+
+    reason: str = ""  # the first gather's
+    code: int = 0  # its eligibility.Reason
+
+
 @dataclasses.dataclass
 class GraphRecord:
     """One compiled graph's decisions (filled by the pass manager)."""
 
     graph_id: int
     transport: str
-    # One dict per weight (not per gather: a forward may gather a weight twice). ``param``:
-    # the parameter's name (NOTE [parameter names]); ``name``: the post-grad placeholder;
-    # ``gathers``: how many gathers of it the graph holds.
-    # + bytes, group, refused_gathers, rows (a weight embedding lookups read: its row
-    # gather's account, or why it is gathered in full; None otherwise; passes/rows.py)
-    bound: list = dataclasses.field(default_factory=list)
-    refused: list = dataclasses.field(default_factory=list)  # + reason (the first gather's)
+    bound: list = dataclasses.field(default_factory=list)  # BoundWeight
+    refused: list = dataclasses.field(default_factory=list)  # RefusedWeight
     buckets: list = dataclasses.field(default_factory=list)  # dicts: kind, members, bytes
     reorder: dict = dataclasses.field(default_factory=dict)
     prefetch: dict = dataclasses.field(default_factory=dict)  # members, bytes (gathered)
 
     @property
     def refusal_counts(self) -> dict:
-        return dict(collections.Counter(r["reason"] for r in self.refused))
+        return dict(collections.Counter(r.reason for r in self.refused))
 
 
 graphs: list[GraphRecord] = []

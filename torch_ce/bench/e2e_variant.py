@@ -297,7 +297,7 @@ def _summarize_report(rec: dict, report) -> None:
             rec["ce_buckets"] = sum(1 for gr in report.graphs for b in gr.buckets if b.get("kind") == "ce")
             if refused:
                 rec["refused"] = refused
-                rec["refused_sample"] = [r for gr in report.graphs for r in gr.refused][:10]
+                rec["refused_sample"] = [dataclasses.asdict(r) for gr in report.graphs for r in gr.refused][:10]
         if report.binds:
             rec["binds"] = [dict(bound=len(b.bound), skipped=len(b.skipped), windows_opened=b.windows_opened,
                                  bytes_bound=b.bytes_bound) for b in report.binds]

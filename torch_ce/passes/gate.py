@@ -13,14 +13,21 @@ valid across ranks. A gather is eligible when:
     sliced after the wait; Shard(1) is re-split; a 2-D placement is gathered again);
   * the shard is contiguous, static-shaped, on a device the transport serves, and at least
     ``symm_min_shard_mib`` large: ``shard_refusal`` (runtime/eligibility.py), the predicate
-    the run-time bind applies to the live shard, so the two cannot disagree.
+    the run-time bind applies to the live shard, so the two cannot disagree;
+  * the graph does not mutate that weight (other inputs it may: NOTE [mutated inputs are
+    refused per weight]).
+
+``serving_refusal`` asks the same questions from facts that are the same on every rank
+even when shards are uneven (no local shard shape): the reshard pass tags exactly the
+gathers it serves (NOTE [reshard decides alike on every rank] in reshard.py).
 
 # NOTE [inference graphs bind in place, training graphs stage]
 An inference graph's weights are bound in place (the parameter views its window) and read
 with no step barrier: weights are static. A training graph's weights change every step,
 so peers read a staging slot that holds the weight (or its param_dtype cast), refreshed
 between two fences at the head of each forward (runtime/staging.py); the optimizer never
-writes a window. A graph that mutates its inputs keeps the collective either way.
+writes a window. A gather of an input the graph mutates keeps the collective either way
+(NOTE [mutated inputs are refused per weight]); the graph's other gathers do not.
 """
 from __future__ import annotations
 
@@ -108,11 +115,67 @@ def graph_reason(graph: fx.Graph, is_inference: bool | None = None,
     cfg = cfg or config
     if is_training_graph(graph, is_inference) and not cfg.training:
         return _TRAINING
-    md = _aot_metadata()
-    if md is not None and any(getattr(i, "mutates_data", False) for i in md.input_info):
-        return Refusal(Reason.MUTATING_GRAPH,
-                       "graph mutates its inputs (weights may change under a peer's read)")
     return None
+
+
+# ---------------------------------------------------------------------------------------
+# Mutated inputs, per weight
+# ---------------------------------------------------------------------------------------
+
+# NOTE [mutated inputs are refused per weight]
+# A graph may update some of its inputs in place: a buffer (BatchNorm's running stats, an
+# MoE layer's train-mode token counts), a KV cache, rarely a weight. Only a *gathered*
+# weight that the graph mutates is unsafe on the copy engines: its owner would write it
+# while peers read it one-sidedly (in place), or its staging slot would hold the value of
+# before the write (training). So the gate refuses exactly the gathers of mutated inputs
+# (they stay on the collective, which reads the value at the gather, as the plain run
+# does) and serves every other gather; a mutated buffer that is never gathered changes
+# nothing. Which inputs a graph mutates is AOTAutograd's metadata (``input_info``), the
+# same on every rank; a placeholder maps to its input index by its name (``primals_<k>``
+# in training graphs, forward and backward alike; ``arg<k>_1`` in inference graphs) or,
+# failing that, by its position (a backward's other placeholders are saved activations,
+# not inputs). Inputs are counted as AOTAutograd flattens them (a DTensor parameter is one
+# input, its local shard), as ``_is_weight`` counts ``static_input_indices``.
+_MUTATED = Refusal(Reason.MUTATING_GRAPH,
+                   "the graph mutates this weight in place (it may change under a peer's read)")
+
+
+def _input_index(ph: fx.Node, pos: int, backward: bool) -> int | None:
+    import re
+
+    m = re.fullmatch(r"primals_(\d+)", ph.name)
+    if m:
+        return int(m.group(1)) - 1
+    m = re.fullmatch(r"arg(\d+)_1", ph.name)
+    if m:
+        return int(m.group(1))
+    return None if backward else pos
+
+
+def mutated_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """The placeholders whose input the graph mutates (data or metadata)."""
+    md = _aot_metadata()
+    if md is None:
+        return set()
+    idx = {i for i, info in enumerate(md.input_info)
+           if getattr(info, "mutates_data", False) or getattr(info, "mutates_metadata", False)}
+    if not idx:
+        return set()
+    backward = is_backward_graph(graph)
+    out = set()
+    for ph, pos in _placeholder_index(graph).items():
+        if ph.name.startswith("tangents_"):
+            continue
+        k = _input_index(ph, pos, backward)
+        if k is None:  # a backward's saved activation: not an input of the step
+            continue
+        if k in idx:
+            out.add(ph)
+    return out
+
+
+def _mutation_reason(weight: fx.Node | None, mutated: set[fx.Node]) -> Refusal | None:
+    return _MUTATED if weight is not None and weight in mutated else None
 
 
 def _is_weight(ph: fx.Node, idx: int) -> bool:
@@ -213,6 +276,7 @@ def gate(graph: fx.Graph, cfg: Config, is_inference: bool | None = None) -> list
     whole = graph_reason(graph, is_inference, cfg)
     training = whole is None and is_training_graph(graph, is_inference)
     ph_index = _placeholder_index(graph)
+    mutated = mutated_inputs(graph) if whole is None else set()
     for g in U.find_op_nodes(graph, U.ALL_GATHER):
         x, gs, gname = g.args[0], g.args[1], g.args[2]
         seed = Seed(g, x, U.wait_of(g), int(gs), str(gname))
@@ -227,6 +291,10 @@ def gate(graph: fx.Graph, cfg: Config, is_inference: bool | None = None) -> list
         if (root is not None and root.op == "placeholder" and _is_weight(root, ph_index[root])
                 and not any(U.is_wait(n) for n in _chain(x)[0])):
             seed.weight = root
+        # NOTE [mutated inputs are refused per weight]: said first (a mutated weight's
+        # gather usually reads the new value, which is not the shard either).
+        if whole is None and root is not None and root.op == "placeholder":
+            seed.reason = _mutation_reason(root, mutated) or seed.reason
         seeds.append(seed)
     return seeds
 
@@ -256,3 +324,96 @@ def _seed_reason(seed: Seed, x: fx.Node, val, ph_index, cfg: Config) -> Refusal 
         group_size=seed.group_size,
         cfg=cfg,
     )
+
+
+# ---------------------------------------------------------------------------------------
+# The serving decision from rank-independent facts (the reshard pass asks it)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class WeightGather:
+    """A weight gather and its input chain: parameter placeholder -> optional dtype cast ->
+    optional ``constant_pad_nd`` (an uneven Shard(0) pads the short shards, so only some
+    ranks' graphs have it) -> all_gather_into_tensor -> wait_tensor."""
+
+    weight: fx.Node
+    chain: list[fx.Node]  # the cast and pad between the weight and the gather, in order
+    gather: fx.Node
+    wait: fx.Node | None
+
+    @property
+    def cast(self) -> fx.Node | None:
+        return next((n for n in self.chain if n.target in _CAST_OPS), None)
+
+
+def weight_gather(gather: fx.Node) -> WeightGather | None:
+    """The chain of a gather whose input is a graph input, at most cast once and padded
+    once (each used only by the next step); None for anything else (an activation, a view,
+    a gather of a gather)."""
+    chain, x = [], gather.args[0]
+    while (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _CAST_OPS | _PAD_OPS
+           and len(chain) < 2):
+        if len(x.users) != 1:
+            return None
+        chain.insert(0, x)
+        x = x.args[0]
+    if not (isinstance(x, fx.Node) and x.op == "placeholder"):
+        return None
+    if sum(n.target in _PAD_OPS for n in chain) > 1 or sum(n.target in _CAST_OPS for n in chain) > 1:
+        return None
+    return WeightGather(x, chain, gather, U.wait_of(gather))
+
+
+def slot_facts(wg: WeightGather) -> tuple[int | None, int | None, int]:
+    """(bytes, elements, dims) of one rank's share of the gathered weight, from the gather's
+    output (``group size x ceil(rows / group size)`` rows on every rank, padded or not):
+    what a window slot holds, the same number on every rank. A local shard's own size is
+    not: an uneven Shard(0) gives the last ranks fewer rows, possibly none."""
+    out = gather_val = wg.gather.meta.get("val")
+    if wg.wait is not None and wg.wait.meta.get("val") is not None:
+        out = wg.wait.meta["val"]
+    if out is None:
+        out = gather_val
+    gs = int(wg.gather.args[1])
+    total, nb = U.numel(out), U.nbytes(out)
+    if total is None or nb is None or gs < 1:
+        return None, None, out.dim()
+    return nb // gs, total // gs, out.dim()
+
+
+def serving_refusal(gather: fx.Node, cfg: Config, *, training: bool, ph_index: dict,
+                    mutated: set[fx.Node]) -> Refusal | None:
+    """Why the copy engines would not serve this gather (None: they would), decided only
+    from facts that are the same on every rank: which parameter is gathered, its input
+    chain up to an optional pad (whether a pad is there is *not* asked: only the ranks with
+    short shards have one), the gathered output's shape and what reads it, the mutated
+    inputs and the config. The gate's verdict on an even shard is the same (same helpers,
+    same order); when a rule widens (uneven Shard(0), inference casts), it widens here
+    first, for every rank at once. ``training``: a training graph (the joint graph is one)."""
+    wg = weight_gather(gather)
+    if wg is None:
+        return Refusal(Reason.NOT_A_GRAPH_INPUT,
+                       "gather input is not a parameter's shard (cast and padded at most)")
+    if not _is_weight(wg.weight, ph_index[wg.weight]):
+        return Refusal(Reason.NOT_A_PARAMETER, "gather input is a graph input that is not a parameter")
+    if training and not cfg.training:
+        return _TRAINING
+    cast = wg.cast
+    if cast is not None and not (training and not (cast.target is aten._to_copy.default
+                                                    and set(cast.kwargs) - {"dtype"})):
+        return Refusal(Reason.CAST_BEFORE_GATHER,
+                       "cast before gather (store inference weights in the compute dtype)")
+    out = _output_reason(wg.wait)
+    if out:
+        return out
+    why = _mutation_reason(wg.weight, mutated)
+    if why:
+        return why
+    val = wg.gather.meta.get("val")
+    if val is None:
+        return Refusal(Reason.NO_SHAPE, "no shape information")
+    nbytes, numel, dim = slot_facts(wg)
+    return shard_refusal(device_type=val.device.type, nbytes=nbytes, numel=numel, dim=dim,
+                         contiguous=True,  # the gather input is the shard, cast or padded
+                         group_size=int(wg.gather.args[1]), cfg=cfg)

@@ -84,15 +84,30 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     row_of = {rw.weight: rw for rw in row_weights}
     for key, ss in rows.items():
         ok = [s for s in ss if s.eligible]
-        row = dict(name=getattr(key, "name", str(key)), param=param_names.param_name(key), gathers=len(ss))
+        name, param = getattr(key, "name", str(key)), param_names.param_name(key)
+        # NOTE [coverage bytes] in report.py: what each gather writes, by where it runs.
+        ce, coll = 0, collections.Counter()
+        rw = row_of.get(ok[0].shard) if ok else None
+        for s in ss:
+            nb = s.nbytes * s.group_size
+            if not s.eligible:
+                coll[str(s.reason)] += nb
+            elif rw is None or rw.reason is not None:
+                ce += nb
+        if rw is not None and rw.reason is None:  # its gathers became row gathers
+            per = rw.account()["bytes_per_forward"]
+            ce += per if per is not None else sum(s.nbytes * s.group_size for s in ok)
+        common = dict(name=name, param=param, gathers=len(ss), gathered_bytes=ce + sum(coll.values()),
+                      ce_gathered_bytes=ce, collective_bytes=dict(coll))
         if ok:
-            rw = row_of.get(ok[0].shard)
-            rec.bound.append(dict(row, bytes=ok[0].nbytes, group=ok[0].group_name,
-                                  refused_gathers=[str(s.reason) for s in ss if not s.eligible],
-                                  rows=rw.account() if rw is not None else None,
-                                  staged=str(ok[0].stage_dtype).removeprefix("torch.") if p.staged else None))
+            rec.bound.append(report.BoundWeight(
+                **common, bytes=ok[0].nbytes, group=ok[0].group_name,
+                refused_gathers=[str(s.reason) for s in ss if not s.eligible],
+                rows=rw.account() if rw is not None else None,
+                staged=str(ok[0].stage_dtype).removeprefix("torch.") if p.staged else None))
         else:
-            rec.refused.append(dict(row, reason=str(ss[0].reason)))
+            rec.refused.append(report.RefusedWeight(**common, reason=str(ss[0].reason),
+                                                    code=int(ss[0].reason.code)))
     for b in buckets:
         rec.buckets.append(dict(kind="ce" if b.bound else "collective",
                                 members=[m.shard.name for m in b.members], bytes=b.nbytes))
@@ -100,11 +115,11 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     gm = graph.owning_module
     if gm is not None:
         gm.recompile()
-    counts = collections.Counter(r["reason"] for r in rec.refused)
+    counts = collections.Counter(r.reason for r in rec.refused)
     log.info(
         "torch_ce: graph %d: %d gather(s) -> copy engine (%.1f MiB, %d bucket(s), bind step %s, "
         "%d weight(s) by rows); %d refused %s; prefetch for the next call: %s",
-        rec.graph_id, len(rec.bound), sum(b["bytes"] for b in rec.bound) / 2**20,
+        rec.graph_id, len(rec.bound), sum(b.bytes for b in rec.bound) / 2**20,
         sum(1 for b in buckets if b.bound),
         ("none" if bind_node is None else
          "inserted" if not p.staged else

@@ -10,6 +10,7 @@ import dataclasses
 
 import torch.fx as fx
 
+from ..runtime.eligibility import encode
 from .gate import Seed
 
 
@@ -18,7 +19,7 @@ class PlannedShard:
     node: fx.Node  # the shard placeholder
     group_size: int
     group_name: str
-    reason: str = ""  # "" : eligible; else why this rank keeps its gathers on NCCL
+    reason: str = ""  # "": eligible; else why this rank keeps its gathers on NCCL (eligibility.encode)
     dtype: str = ""  # training graphs: the staging slot's dtype ("bfloat16"); "": in place
 
 
@@ -44,7 +45,7 @@ def plan(seeds: list[Seed], whole_graph_refused: bool = False) -> Plan:
             if ps is None:
                 # str(): the graph may carry only plain, rank-independent constants.
                 shards[(s.weight, dtype)] = PlannedShard(
-                    s.weight, s.group_size, s.group_name, str(s.reason) if s.reason else "", dtype)
+                    s.weight, s.group_size, s.group_name, encode(s.reason), dtype)
             elif s.eligible:
                 ps.reason = ""
     return Plan([s for s in seeds if s.eligible], list(shards.values()), staged)

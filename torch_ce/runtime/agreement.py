@@ -4,7 +4,7 @@
 A gather retargeted on some ranks and not on others never completes (NCCL waits for a
 peer that is doing one-sided reads). So before anything moves, every rank of the group
 exchanges one descriptor per candidate shard, the locally refused ones included:
-(group ranks, shape, dtype, device type, refusal code and text). Candidate i is bound only
+a ``Descriptor`` (group ranks, shape, dtype, device type, refusal code and text). Candidate i is bound only
 if every member reports an identical, eligible descriptor at position i and the same
 number of candidates; anything else is marked ``Fallback`` and gathered through the
 group's collective backend, identically on every rank. Then each rank computes the
@@ -25,6 +25,7 @@ this group's binds, which every member runs in the same order.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -115,32 +116,62 @@ class Round:
         return got
 
 
-def descriptor(c) -> list:
-    """What a rank says about one candidate (JSON: rank-independent facts only)."""
+@dataclasses.dataclass(frozen=True)
+class Descriptor:
+    """What a rank says about one candidate in the agreement (JSON: rank-independent
+    facts only, plus this rank's verdict)."""
+
+    group_ranks: tuple  # the candidate's group, by global rank
+    shape: tuple | None  # the local shard's (None: no tensor)
+    dtype: str | None  # what the window would hold (a staging slot's dtype in training)
+    device: str | None  # device type
+    code: int  # eligibility.Reason of this rank's refusal; 0: eligible here
+    text: str  # that refusal's sentence
+
+    @property
+    def refused(self) -> bool:
+        return self.code != 0
+
+    def facts(self) -> tuple:
+        """What every member must report identically for the candidate to bind."""
+        return (self.group_ranks, self.shape, self.dtype, self.device)
+
+    def to_json(self) -> list:
+        return [list(self.group_ranks), None if self.shape is None else list(self.shape),
+                self.dtype, self.device, self.code, self.text]
+
+    @classmethod
+    def from_json(cls, v: list) -> "Descriptor":
+        ranks, shape, dtype, device, code, text = v
+        return cls(tuple(ranks), None if shape is None else tuple(shape), dtype, device, int(code), text)
+
+
+def descriptor(c) -> Descriptor:
+    """What this rank says about one candidate."""
     from .windows import group_ranks_of
 
-    ranks = list(group_ranks_of(c.group)) if c.group is not None else []
+    ranks = tuple(group_ranks_of(c.group)) if c.group is not None else ()
     t = c.tensor
     code = int(c.reason.code) if c.reason is not None else 0
     text = str(c.reason) if c.reason is not None else ""
     if t is None:
-        return [ranks, None, None, None, code or 99, text or "ineligible"]
+        return Descriptor(ranks, None, None, None, code or 99, text or "ineligible")
     dtype = getattr(c, "stage_dtype", None) or t.dtype  # a staging slot's dtype (training)
-    return [ranks, list(t.shape), str(dtype), t.device.type, code, text]
+    return Descriptor(ranks, tuple(t.shape), str(dtype), t.device.type, code, text)
 
 
-def agree(cands: list, mine: list, everyone: dict[int, list]) -> list:
+def agree(cands: list, mine: list[Descriptor], everyone: dict[int, list[Descriptor]]) -> list:
     """Per candidate: None (agreed) or the Refusal that keeps it on the collective."""
     from .eligibility import Reason, refusal
 
     out = []
     for i, c in enumerate(cands):
         d = mine[i]
-        if d[4]:
+        if d.refused:
             out.append(c.reason)
             continue
         why = None
-        for m in d[0]:
+        for m in d.group_ranks:
             other = everyone.get(m)
             if other is None:
                 why = refusal(Reason.DISAGREEMENT, f"rank disagreement: rank {m} of the group "
@@ -148,12 +179,12 @@ def agree(cands: list, mine: list, everyone: dict[int, list]) -> list:
             elif len(other) != len(mine):
                 why = refusal(Reason.DISAGREEMENT, f"rank disagreement: rank {m} has {len(other)} "
                               f"candidate shards, this rank {len(mine)}")
-            elif other[i][:4] != d[:4]:
+            elif other[i].facts() != d.facts():
                 why = refusal(Reason.DISAGREEMENT, f"rank disagreement: rank {m} disagrees on "
-                              f"shard {i} ({other[i][:4]} vs {d[:4]})")
-            elif other[i][4]:
+                              f"shard {i} ({list(other[i].facts())} vs {list(d.facts())})")
+            elif other[i].refused:
                 why = refusal(Reason.PEER_REFUSED, f"rank disagreement: rank {m} refused it: "
-                              f"{other[i][5]}")
+                              f"{other[i].text}")
             if why is not None:
                 break
         out.append(why)
@@ -176,9 +207,9 @@ def refuse_split_staging(cands: list, everyone: dict[int, list]) -> None:
         if c.stage_dtype is None:
             continue
         verdicts = {r: d[i] for r, d in everyone.items() if i < len(d)}
-        ok = sorted(r for r, d in verdicts.items() if not d[4])
+        ok = sorted(r for r, d in verdicts.items() if not d.refused)
         if ok and len(ok) < len(verdicts):
-            no = {r: d[5] for r, d in verdicts.items() if d[4]}
+            no = {r: d.text for r, d in verdicts.items() if d.refused}
             raise BindError(
                 f"torch_ce: the ranks disagree on which weights of a training graph gather on "
                 f"the copy engine: {c.name} is staged on ranks {ok} and refused on "

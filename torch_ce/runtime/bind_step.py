@@ -33,12 +33,14 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
     key = (tuple(names), shards[0].data_ptr())
     if key in _done:
         return
-    if all(W.lookup(s) is not None for s in shards):
+    from .binding import Candidate, bind_candidates, local_reason, resolved
+
+    # Resolved by a bind round, empty shards included (NOTE [empty shards] in binding.py):
+    # the same answer on every rank of the step.
+    if all(resolved(s) is not None for s in shards):
         _remember(key, shards[0])
         return
-    from ..config import config
-    from .binding import Candidate, bind_candidates, local_reason
-    from .eligibility import Reason, refusal
+    from .eligibility import Reason, decode, refusal
 
     resolve = torch._C._distributed_c10d._resolve_process_group
     cands = []
@@ -53,7 +55,7 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
                 "created). Run compiled graphs before destroying their process groups."
             ) from e
         # A compile-time refusal still takes part in the agreement (as refused).
-        reason = refusal(Reason.OTHER, why) if why else local_reason(t, pg)
+        reason = decode(why) if why else local_reason(t, pg)
         if reason is None and pg.size() != gs:
             reason = refusal(Reason.GROUP_SIZE_MISMATCH, f"group size {pg.size()} != gather group size {gs}")
         cands.append(Candidate(name, t, pg, reason))

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ..config import config
 from . import native
 from . import windows as W
-from .agreement import BindError, Round, agree, descriptor, refuse_split_staging
+from .agreement import BindError, Descriptor, Round, agree, descriptor, refuse_split_staging
 from .eligibility import Reason, Refusal, refusal, shard_refusal
 
 log = logging.getLogger("torch_ce")
@@ -157,8 +157,38 @@ def _transport(device: torch.device):
     return host
 
 
+# NOTE [empty shards]
+# A weight with fewer rows than ranks leaves some ranks an empty local shard. The bind step
+# decides "bind now?" by asking whether every shard it lists is resolved (bound, or marked
+# Fallback), and the address registry (windows.lookup) cannot hold an empty tensor: empty
+# tensors share addresses (often 0), so one's entry would answer for another, or be lost
+# with it. An empty shard was therefore never marked, its rank re-entered the bind at the
+# next call while its peers went straight to the gathers, and the ranks split (a BindError
+# after the arrival timeout on one side, a closed gloo connection on the other). Empty
+# shards are resolved here instead, by the tensor's identity (a weak reference: the entry
+# dies with the tensor), so a rank holding one takes exactly the bind path of its peers:
+# one round at the first call, none after.
+_empty: dict[tuple, tuple] = {}  # (id(tensor), stage dtype) -> (weakref, Fallback)
+W.on_release(_empty.clear)
+
+
+def resolved(t: torch.Tensor, stage_dtype: torch.dtype | None = None) -> W.Slot | W.Fallback | None:
+    """``t``'s entry (in place, or its staging entry of ``stage_dtype``): a Slot, a Fallback,
+    or None when it has not been through a bind round yet (NOTE [empty shards])."""
+    if t.numel() == 0:
+        hit = _empty.get((id(t), stage_dtype))
+        return hit[1] if hit is not None and hit[0]() is t else None
+    if stage_dtype is not None:
+        hit = W.staged(t, stage_dtype)
+        return hit[0] if hit is not None else None
+    return W.lookup(t)
+
+
 def _mark_fallback(c: Candidate, why: Refusal) -> None:
-    if c.tensor is not None and c.group is not None and c.tensor.numel():
+    if c.tensor is not None and c.group is not None and not c.tensor.numel():
+        fb = W.Fallback(str(why), c.group.group_name, weakref.ref(c.tensor), int(why.code))
+        _empty[(id(c.tensor), c.stage_dtype)] = (weakref.ref(c.tensor), fb)
+    elif c.tensor is not None and c.group is not None:
         fb = W.Fallback(str(why), c.group.group_name, weakref.ref(c.tensor), int(why.code))
         if c.stage_dtype is not None:
             W.register_staged(c.tensor, c.stage_dtype, fb)
@@ -181,13 +211,7 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
     world_ranks = W.group_ranks_of(dist.group.WORLD)
     units: dict[tuple, tuple[Any, list[Candidate]]] = {}
     for c in cands:
-        if c.tensor is None:
-            entry = None
-        elif c.stage_dtype is not None:
-            hit = W.staged(c.tensor, c.stage_dtype)
-            entry = hit[0] if hit is not None else None
-        else:
-            entry = W.lookup(c.tensor)
+        entry = None if c.tensor is None else resolved(c.tensor, c.stage_dtype)
         if isinstance(entry, W.Slot):
             res.already_bound.append(c.name)
         elif isinstance(entry, W.Fallback):
@@ -283,8 +307,9 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
     try:
         # 1. agree
         mine = [descriptor(c) for c in todo]
-        everyone = rnd.exchange("agree", {"cands": mine, "token": uuid.uuid4().hex[:8]})
-        theirs = {r: v["cands"] for r, v in everyone.items()}
+        everyone = rnd.exchange("agree", {"cands": [d.to_json() for d in mine],
+                                          "token": uuid.uuid4().hex[:8]})
+        theirs = {r: [Descriptor.from_json(d) for d in v["cands"]] for r, v in everyone.items()}
         verdicts = agree(todo, mine, theirs)
         refuse_split_staging(todo, theirs)
         job = everyone[min(everyone)]["token"]

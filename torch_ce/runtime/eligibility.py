@@ -108,3 +108,27 @@ def shard_refusal(*, device_type: str, nbytes: int | None, numel: int | None, di
         if why is not None:
             return why
     return None
+
+
+# A compile-time refusal travels to the run time as a plain string in the compiled graph
+# (the bind / stage step's ``reasons``: cached code holds only rank-independent constants).
+# Its code travels with it, so the run time reports the gate's reason, not OTHER.
+_CODE_SEP = "|"
+
+
+def encode(why: Refusal | None) -> str:
+    """The string a compiled graph carries for ``why`` ("" when eligible)."""
+    return "" if why is None else f"{int(why.code)}{_CODE_SEP}{why.text}"
+
+
+def decode(s: str) -> Refusal | None:
+    """``encode``'s inverse; a string without a code (older graphs, free text) is OTHER."""
+    if not s:
+        return None
+    head, sep, text = s.partition(_CODE_SEP)
+    if sep and head.isdigit():
+        try:
+            return Refusal(Reason(int(head)), text)
+        except ValueError:
+            pass
+    return Refusal(Reason.OTHER, s)

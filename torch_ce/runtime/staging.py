@@ -105,7 +105,7 @@ def _bind_new(params, dtypes, group_sizes, group_names, names, reasons) -> None:
     """One bind round for the weights that have no staging entry yet (agreed by every rank)."""
     from .. import report
     from .binding import Candidate, bind_candidates, local_reason
-    from .eligibility import Reason, refusal
+    from .eligibility import Reason, decode, refusal
 
     resolve = torch._C._distributed_c10d._resolve_process_group
     cands = []
@@ -123,7 +123,7 @@ def _bind_new(params, dtypes, group_sizes, group_names, names, reasons) -> None:
                 "write the window while peers read it. Run the training graphs before "
                 "compiling inference graphs on the same weights, or keep inference on the "
                 "collective (torch_ce.enable(training=...) / transport='nccl').")
-        reason = refusal(Reason.OTHER, why) if why else local_reason(p, pg, stage_dtype=d)
+        reason = decode(why) if why else local_reason(p, pg, stage_dtype=d)
         if reason is None and pg.size() != gs:
             reason = refusal(Reason.GROUP_SIZE_MISMATCH, f"group size {pg.size()} != gather group size {gs}")
         cands.append(Candidate(name, p, pg, reason, stage_dtype=d))
@@ -143,9 +143,12 @@ def _fence_groups(entries) -> list:
 def run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, refresh) -> None:
     """Bind the staging slots (first run), and when ``refresh`` (a training forward) fence,
     copy every weight (cast) into its slot, fence."""
+    from .binding import resolved
+
     dts = [getattr(torch, d) for d in dtypes]
     entries = [W.staged(p, d) for p, d in zip(params, dts)]
-    if any(e is None for e in entries):
+    # Empty shards too (NOTE [empty shards] in binding.py): every rank binds at the same call.
+    if any(resolved(p, d) is None for p, d in zip(params, dts)):
         # First run (or a weight replaced since): bind; the bind's last exchange publishes
         # the copies it made, so a backward that binds needs no fence of its own.
         _bind_new(params, dts, group_sizes, group_names, names, reasons)

@@ -1,0 +1,153 @@
+"""One process, no process group: the rules that must give every rank the same answer.
+
+- The reshard pass's serving decision (``gate.serving_refusal``) on hand-built joint
+  graphs of one weight as each rank of 3 sees it (ranks 0-1: the shard gathered as is;
+  rank 2: padded first, possibly from an empty shard): the same verdict and the same
+  recompute tags on every rank, also once an uneven Shard(0) is served (simulated here by
+  widening the output rule, as the uneven support does).
+- A refusal's code survives the trip through the compiled graph (eligibility.encode /
+  decode), and the agreement's ``Descriptor`` survives JSON and is what ``agree`` compares.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from torch_ce.config import Config
+from torch_ce.passes import gate, reshard
+from torch_ce.runtime import agreement
+from torch_ce.runtime.eligibility import Reason, Refusal, decode, encode
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _joint(local_rows: int, rows: int, world: int = 3, cols: int = 4, cast: bool = False) -> fx.Graph:
+    """primals_1 (this rank's shard) [-> cast] [-> pad] -> all_gather -> wait [-> slice]."""
+    ceil = -(-rows // world)
+    g = fx.Graph()
+    w = g.placeholder("primals_1")
+    w.meta["val"] = torch.empty(local_rows, cols)
+    x = w
+    if cast:
+        x = g.call_function(torch.ops.prims.convert_element_type.default, (x, torch.bfloat16))
+        x.meta["val"] = torch.empty(local_rows, cols, dtype=torch.bfloat16)
+    dtype = x.meta["val"].dtype
+    if local_rows < ceil:
+        x = g.call_function(aten.constant_pad_nd.default, (x, [0, 0, 0, ceil - local_rows]))
+        x.meta["val"] = torch.empty(ceil, cols, dtype=dtype)
+    ag = g.call_function(c10d.all_gather_into_tensor.default, (x, world, "0"))
+    ag.meta["val"] = torch.empty(world * ceil, cols, dtype=dtype)
+    wt = g.call_function(c10d.wait_tensor.default, (ag,))
+    wt.meta["val"] = ag.meta["val"]
+    out = wt
+    if world * ceil != rows:
+        out = g.call_function(aten.slice.Tensor, (wt, 0, 0, rows))
+        out.meta["val"] = torch.empty(rows, cols, dtype=dtype)
+    g.output(out)
+    return g
+
+
+def _shards(rows: int, world: int = 3) -> list[int]:
+    """torch.chunk's local row counts (the short shards last)."""
+    ceil = -(-rows // world)
+    return [max(0, min(ceil, rows - r * ceil)) for r in range(world)]
+
+
+def _verdict(g: fx.Graph, cfg: Config):
+    ag = next(n for n in g.nodes if n.target is c10d.all_gather_into_tensor.default)
+    why = gate.serving_refusal(ag, cfg, training=True, ph_index=gate._placeholder_index(g),
+                               mutated=gate.mutated_inputs(g))
+    return None if why is None else why.code
+
+
+def _tags(g: fx.Graph, cfg: Config) -> list[str]:
+    reshard.tag_recompute(g, cfg)
+    return sorted(str(n.target) for n in g.nodes if "recompute" in n.meta)
+
+
+CFG = Config(host_transport=True)
+
+
+def test_even_shards_are_served_and_tagged():
+    for cast in (False, True):
+        g = _joint(2, 6, cast=cast)
+        assert _verdict(g, CFG) is None
+        tags = _tags(g, CFG)
+        assert any("all_gather" in t for t in tags) and any("wait_tensor" in t for t in tags), tags
+        assert any("convert_element_type" in t for t in tags) == cast, tags
+
+
+def test_uneven_and_empty_shards_decide_alike():
+    for rows in (7, 8, 2, 1):  # 3,3,1 / 3,3,2 / 1,1,0 / 1,0,0
+        locals_ = _shards(rows)
+        verdicts = {_verdict(_joint(n, rows), CFG) for n in locals_}
+        assert len(verdicts) == 1, (rows, locals_, verdicts)
+        tags = {tuple(t for t in _tags(_joint(n, rows), CFG) if "constant_pad" not in t) for n in locals_}
+        assert len(tags) == 1, (rows, tags)
+
+
+def test_minimum_size_is_the_slot_not_the_local_shard():
+    # 7 rows of 4 fp32 over 3: slots of 3 rows (48 B) on every rank, also the 1-row rank.
+    cfg = Config(host_transport=True, symm_min_shard_mib=40 / 2**20)
+    widened = _served_uneven()
+    try:
+        verdicts = {_verdict(_joint(n, 7), cfg) for n in _shards(7)}
+        assert verdicts == {None}, verdicts
+        cfg = Config(host_transport=True, symm_min_shard_mib=60 / 2**20)
+        verdicts = {_verdict(_joint(n, 7), cfg) for n in _shards(7)}
+        assert verdicts == {Reason.BELOW_MIN_SIZE}, verdicts
+    finally:
+        widened()
+
+
+def _served_uneven():
+    """Widen the output rule as uneven Shard(0) support does; returns the undo."""
+    real = gate._output_reason
+
+    def output_reason(wait):
+        why = real(wait)
+        return None if why is not None and why.code == Reason.UNEVEN_SHARD else why
+
+    gate._output_reason = output_reason
+    return lambda: setattr(gate, "_output_reason", real)
+
+
+def test_served_uneven_is_tagged_on_every_rank_pad_included():
+    undo = _served_uneven()
+    try:
+        for rows in (7, 2):
+            per_rank = []
+            for n in _shards(rows):
+                g = _joint(n, rows)
+                assert _verdict(g, CFG) is None, (rows, n)
+                tags = _tags(g, CFG)
+                has_pad = any(x.target is aten.constant_pad_nd.default for x in g.nodes)
+                assert any("constant_pad" in t for t in tags) == has_pad, tags
+                per_rank.append(tuple(t for t in tags if "constant_pad" not in t))
+            assert len(set(per_rank)) == 1 and any("slice" in t for t in per_rank[0]), per_rank
+    finally:
+        undo()
+
+
+def test_refusal_codes_survive_the_graph():
+    why = Refusal(Reason.UNEVEN_SHARD, "uneven Shard(0) (gathered rows are sliced)")
+    assert decode(encode(why)) == why
+    assert encode(None) == "" and decode("") is None
+    assert decode("free text") == Refusal(Reason.OTHER, "free text")
+
+
+def test_descriptor_round_trip_and_agreement():
+    class C:
+        def __init__(self, reason=None):
+            self.reason = reason
+
+    d = agreement.Descriptor((0, 1), (4, 8), "torch.float32", "cpu", 0, "")
+    assert agreement.Descriptor.from_json(d.to_json()) == d
+    refused = agreement.Descriptor((0, 1), (4, 8), "torch.float32", "cpu", int(Reason.EMPTY), "empty")
+    other = agreement.Descriptor((0, 1), (5, 8), "torch.float32", "cpu", 0, "")
+    assert agreement.agree([C()], [d], {0: [d], 1: [d]}) == [None]
+    [why] = agreement.agree([C()], [d], {0: [d], 1: [refused]})
+    assert why.code == Reason.PEER_REFUSED and "empty" in why.text
+    [why] = agreement.agree([C()], [d], {0: [d], 1: [other]})
+    assert why.code == Reason.DISAGREEMENT
