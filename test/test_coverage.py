@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -82,9 +84,10 @@ def _train_counting(torch_ce_on: bool, seed, xs, **cfg):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     graphs: list = []
     count = _counter(graphs)
+    observing = contextlib.ExitStack()
     if torch_ce_on:
         torch_ce.enable(transport="copy_engine", **cfg)
-        manager.observers.append(count)
+        observing.enter_context(manager.observing(count))
     else:
         saved = ic.post_grad_custom_post_pass
         ic.post_grad_custom_post_pass = _PlainCounter(count)
@@ -98,8 +101,8 @@ def _train_counting(torch_ce_on: bool, seed, xs, **cfg):
             opt.zero_grad()
             losses.append(loss.item())
     finally:
+        observing.close()
         if torch_ce_on:
-            manager.observers.remove(count)
             torch_ce.disable()
         else:
             ic.post_grad_custom_post_pass = saved

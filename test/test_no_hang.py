@@ -21,6 +21,7 @@ import torch
 
 pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
 
+import testenv  # noqa: E402
 from mp_harness import run_ranks, seed_base, setup_compile  # noqa: E402
 
 
@@ -136,7 +137,6 @@ def test_empty_shard_binds_like_its_peers(tmp_path):
 # training graph whose ranks split over a weight raises the same BindError on every rank
 # (NOTE [training graphs cannot fall back weight by weight] in runtime/agreement.py).
 
-import os  # noqa: E402
 import random  # noqa: E402
 
 
@@ -276,7 +276,7 @@ def test_fuzz_no_hang_default(tmp_path):
 @pytest.mark.parametrize("world", [2, 3])
 def test_fuzz_no_hang_slow(tmp_path, world):
     """``TORCH_CE_FUZZ_TRIALS`` trials (default 6) per world size."""
-    n = int(os.environ.get("TORCH_CE_FUZZ_TRIALS", "6"))
+    n = testenv.FUZZ_TRIALS
     specs = _specs(seed_base(), n, world=world)
     res = run_ranks(_rank_fuzz, world, specs, str(tmp_path), timeout=120 + 120 * n,
                     env={"TORCH_CE_BIND_ARRIVAL_TIMEOUT_S": "120", "TORCH_CE_BIND_TIMEOUT_S": "20"})
