@@ -10,7 +10,8 @@ valid across ranks. A gather is eligible when:
     either in an inference graph (where the shard itself is bound), while a training graph
     may cast it first (mixed precision: the cast is what its staging slot holds);
   * it is a single even Shard(0) gather: its output is used as is (an uneven Shard(0) is
-    sliced after the wait; Shard(1) is re-split; a 2-D placement is gathered again);
+    sliced after the wait; a 2-D placement is gathered again); or an even Shard(d), d >= 1,
+    whose re-split the rewrite folds into the reads (NOTE [Shard(1) reads]);
   * the shard is contiguous, static-shaped, on a device the transport serves, and at least
     ``symm_min_shard_mib`` large: ``shard_refusal`` (runtime/eligibility.py), the predicate
     the run-time bind applies to the live shard, so the two cannot disagree.
@@ -25,6 +26,7 @@ writes a window. A graph that mutates its inputs keeps the collective either way
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
@@ -61,6 +63,10 @@ class Seed:
     # pad or view): the bind step lists it even when refused, so that every rank agrees
     # over the same candidates (NOTE [agreement before anything moves] in binding.py).
     weight: fx.Node | None = None
+    # NOTE [Shard(1) reads]: the dim the gathered blocks are concatenated along (0: a plain
+    # Shard(0) gather); for d >= 1, ``resplit`` is the cat that rebuilds the weight.
+    gather_dim: int = 0
+    resplit: fx.Node | None = None
 
     @property
     def eligible(self) -> bool:
@@ -193,6 +199,63 @@ def _output_reason(wait: fx.Node | None) -> Refusal | None:
     return None
 
 
+# NOTE [Shard(1) reads]
+# A weight placed Shard(d), d >= 1 (torchtitan's graph_trainer shards routed experts
+# [num_experts, out, in] on dim 1 when efsdp * ep > num_experts) is gathered along dim 0
+# and re-split in the post-grad graph (torch 2.13, inference and training forward):
+#
+#     %ag : all_gather_into_tensor(%w, W, g)          %w: [E, h, D] -> [W*E, h, D]
+#     %wt : wait_tensor(%ag)
+#     %sp : aten.split.Tensor(%wt, E)                 (dim 0, one block per rank)
+#     %b0 : getitem(%sp, 0) ... %b{W-1} : getitem(%sp, W-1)
+#     %cat : aten.cat([%b0, ..., %b{W-1}], 1)         [E, W*h, D]
+#
+# Peer r's block is the slice [:, r*h:(r+1)*h] of the result: ``prod(shape[:d])`` rows of
+# ``prod(shape[d:])`` contiguous elements each, a fixed pitch apart. The copy engines can
+# write that slice directly (a strided 2-D copy per peer), so the gather and the re-split
+# become one ``magi.ce_all_gather_dim(%w, W, g, d)`` whose output is the weight in its
+# final layout (passes/rewrite.py ``rewrite_dim``; runtime/gather.py ``copy_peers_dim``;
+# the CUDA strided reads in csrc/ce_torch.cpp). Only this exact, even pattern qualifies:
+# a re-split of uneven size (split_with_sizes), of other blocks, in another order, or with
+# any other reader of the blocks stays refused.
+
+
+def shard_dim_resplit(seed: Seed) -> tuple[int, fx.Node] | None:
+    """(d, the cat) if the gathered blocks are only re-split along dim 0 into one block per
+    rank and concatenated in rank order along dim d >= 1 (NOTE [Shard(1) reads]); else None."""
+    wait, W = seed.wait, seed.group_size
+    if wait is None or len(wait.users) != 1:
+        return None
+    sp = next(iter(wait.users))
+    if not (sp.op == "call_function" and sp.target is aten.split.Tensor):
+        return None
+    val, sval = seed.shard.meta.get("val"), wait.meta.get("val")
+    if val is None or sval is None or val.dim() < 2:
+        return None
+    size = sp.args[1] if len(sp.args) > 1 else sp.kwargs.get("split_size")
+    sdim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
+    if sdim != 0 or size != val.shape[0] or sp.args[0] is not wait:
+        return None
+    items: dict[int, fx.Node] = {}
+    for u in sp.users:
+        if not (u.op == "call_function" and u.target is operator.getitem and len(u.users) == 1):
+            return None
+        items[u.args[1]] = u
+    if sorted(items) != list(range(W)):
+        return None
+    cat = next(iter(items[0].users))
+    if not (cat.op == "call_function" and cat.target is aten.cat.default):
+        return None
+    blocks = cat.args[0]
+    cdim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    cdim = cdim + val.dim() if cdim < 0 else cdim
+    if list(blocks) != [items[r] for r in range(W)] or not 1 <= cdim < val.dim():
+        return None
+    if any(next(iter(items[r].users)) is not cat for r in range(W)):
+        return None
+    return cdim, cat
+
+
 def _stage_cast(x, ph_index) -> fx.Node | None:
     """``x`` if it is a dtype cast of a weight placeholder used only by this gather (a
     mixed-precision ``param_dtype`` cast), else None."""
@@ -239,7 +302,10 @@ def _seed_reason(seed: Seed, x: fx.Node, val, ph_index, cfg: Config) -> Refusal 
         return _input_reason(x, ph_index)
     if not _is_weight(x, ph_index[x]):
         return Refusal(Reason.NOT_A_PARAMETER, "gather input is a graph input that is not a parameter")
-    out = _output_reason(seed.wait)
+    dim_cat = shard_dim_resplit(seed)
+    if dim_cat is not None:  # NOTE [Shard(1) reads]: the rewrite folds the re-split away
+        seed.gather_dim, seed.resplit = dim_cat
+    out = None if dim_cat is not None else _output_reason(seed.wait)
     if out:
         return out
     if val is None:

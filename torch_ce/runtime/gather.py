@@ -51,6 +51,39 @@ def gather_slots(shards: Sequence[torch.Tensor], slots: Sequence[Slot], group_si
     return outs
 
 
+def gather_dim_shape(shape, group_size: int, dim: int) -> list[int]:
+    """The gathered weight's shape of a Shard(``dim``) shard (NOTE [Shard(1) reads] in
+    passes/gate.py): ``shape`` with dim ``dim`` times ``group_size``."""
+    full = list(shape)
+    full[dim] *= group_size
+    return full
+
+
+def copy_peers_dim(out: torch.Tensor, slot: Slot, dim: int) -> None:
+    """One-sided strided reads: rank r's shard lands at ``out[..., r*h:(r+1)*h, ...]`` (h =
+    its size along ``dim``), i.e. ``prod(shape[:dim])`` row blocks of ``prod(shape[dim:])``
+    elements, a ``group_size`` times wider pitch apart in ``out``. The same peer order as
+    ``copy_peers``, this rank's own block last."""
+    outer = 1
+    for n in slot.shape[:dim]:
+        outer *= int(n)
+    view = out.view(outer, slot.group_size, -1)
+    order = peer_order(slot.window.rank, slot.group_size, native.peer_order()[0]) + [slot.window.rank]
+    for r in order:
+        view[:, r].copy_(slot.peer_views[r].reshape(outer, -1))
+
+
+def gather_slot_dim(shard: torch.Tensor, slot: Slot, group_size: int, dim: int) -> torch.Tensor:
+    """A fresh gathered weight of a bound Shard(``dim``) ``shard`` (its ``slot``, whose group
+    the caller checked), in its final layout: the C++ strided reads on CUDA (NOTE [strided
+    reads] in csrc/ce_torch.cpp), else ``copy_peers_dim``."""
+    if shard.is_cuda and native.loaded():
+        return torch.ops.torch_ce_native.gather_bound_dim([shard], group_size, [dim])[0]
+    out = shard.new_empty(gather_dim_shape(shard.shape, group_size, dim))
+    copy_peers_dim(out, slot, dim)
+    return out
+
+
 def gather_rows(shard: torch.Tensor, slot: Slot, ids: torch.Tensor) -> torch.Tensor:
     """``embedding(gathered table, ids)`` of a bound ``shard`` (its ``slot``, whose group
     the caller checked): the C++ row kernel on CUDA, else ``take_rows``."""
