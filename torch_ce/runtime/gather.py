@@ -11,6 +11,7 @@ registered for the tensor).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -82,6 +83,30 @@ def gather_slot_dim(shard: torch.Tensor, slot: Slot, group_size: int, dim: int) 
     out = shard.new_empty(gather_dim_shape(shard.shape, group_size, dim))
     copy_peers_dim(out, slot, dim)
     return out
+
+
+# NOTE [strided reads] in csrc/ce_copy.h: name -> the C++ enum DimStrategy.
+DIM_STRATEGIES = {"rows": 0, "2d": 1, "3d": 2}
+
+
+@contextlib.contextmanager
+def dim_strategy_as(name: str):
+    """Shard(d) gathers issued inside hand their strided blocks to the copy engines as
+    ``name`` (NOTE [strided reads]: "rows", the default, one batch entry per row block;
+    "2d", one cudaMemcpy2DAsync per peer block; "3d", one cudaMemcpy3DBatchAsync); the
+    default comes back on exit. An A/B switch for bench/compare/dim1_cost.py and the GPU
+    tests; without the C++ kernels it changes nothing."""
+    if name not in DIM_STRATEGIES:
+        raise ValueError(f"torch_ce: dim strategy {name!r}: expected one of {sorted(DIM_STRATEGIES)}")
+    if not native.loaded():
+        yield
+        return
+    prev = int(torch.ops.torch_ce_native.dim_strategy())
+    torch.ops.torch_ce_native.set_dim_strategy(DIM_STRATEGIES[name])
+    try:
+        yield
+    finally:
+        torch.ops.torch_ce_native.set_dim_strategy(prev)
 
 
 def gather_rows(shard: torch.Tensor, slot: Slot, ids: torch.Tensor) -> torch.Tensor:
