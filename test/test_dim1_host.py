@@ -12,6 +12,8 @@ and cat leave the graph. Every output must be bit-identical to the plain compile
   calls ``ce_all_gather_dim`` for each (the plain run does not).
 - ``test_refused_fallback_exact``: the same weights refused at bind: the op gathers by the
   collective and re-splits, exact.
+- ``test_eager_dim_gathers_exact_and_opcheck``: bound shards gathered eagerly in every dim
+  against gloo's gather re-split; ``torch.library.opcheck``.
 - ``test_torchtitan_moe_dim1_inference`` (slow): torchtitan's own MoE layer (router, local
   dispatcher, GroupedExperts: what Qwen3-MoE stacks), wrapped as graph_trainer's
   ``apply_simple_fsdp`` wraps it when ``efsdp * ep > num_experts`` (experts
@@ -131,6 +133,46 @@ def test_refused_fallback_exact(experts):
         r = res["dim1_refused"]
         assert all(r["exact"]), (r["max_diff"], r["table"])
         assert set(r["rows"].values()) == {"fallback"}, r["table"]
+
+
+def _rank_eager(rank, world, seed):
+    """Bound shards gathered eagerly by ``magi.ce_all_gather_dim`` in every dim, against the
+    backend's own gather re-split; and torch.library.opcheck (NOTE in test_ops_host.py:
+    the sub-tests that clone their inputs run at group_size 1, where no binding is read;
+    on the bound shards the un-cloned checks)."""
+    import torch.distributed as dist
+    import torch_ce
+    from mp_harness import reference_all_gather, wait
+    from torch.library import opcheck
+    from torch.testing._internal.optests.fake_tensor import fake_check
+    from torch.testing._internal.optests.generate_tests import safe_schema_check
+
+    gen = torch.Generator().manual_seed(seed + rank)
+    shards = [torch.randn(3, 5, 7, generator=gen), torch.randn(4, 6, generator=gen).to(torch.bfloat16)]
+    assert len(torch_ce.bind(shards, group=dist.group.WORLD, min_shard_mib=0).bound) == 2
+    g = dist.group.WORLD.group_name
+    op = torch.ops.magi.ce_all_gather_dim.default
+    exact = {}
+    for i, s in enumerate(shards):
+        ref = reference_all_gather(s)
+        for d in range(s.dim()):
+            exp = torch.cat(ref.split(s.shape[0]), d)
+            exact[f"{i}_dim{d}"] = torch.equal(wait(op(s, world, g, d)), exp)
+            safe_schema_check(op, (s, world, g, d), {}, copy_inputs=False)
+            fake_check(op, (s, world, g, d), {})
+        opcheck(op, (s, world, g, 1), test_utils=("test_autograd_registration",))
+        opcheck(op, (s, 1, g, 1))
+    try:
+        op(torch.randn(2, 2), world, g, 1)
+        exact["unbound_raises"] = False
+    except RuntimeError as e:
+        exact["unbound_raises"] = "not bound" in str(e)
+    return exact
+
+
+def test_eager_dim_gathers_exact_and_opcheck():
+    for r in run_ranks(_rank_eager, 2, seed_base(), timeout=200):
+        assert all(r.values()), r
 
 
 def _build_moe(seed, world, dim=32, hidden=48, experts=2):
