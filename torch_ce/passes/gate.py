@@ -223,18 +223,22 @@ def _output_reason(wait: fx.Node | None) -> Refusal | None:
 def shard_dim_resplit(seed: Seed) -> tuple[int, fx.Node] | None:
     """(d, the cat) if the gathered blocks are only re-split along dim 0 into one block per
     rank and concatenated in rank order along dim d >= 1 (NOTE [Shard(1) reads]); else None."""
-    wait, W = seed.wait, seed.group_size
-    if wait is None or len(wait.users) != 1:
+    found = resplit_of(seed.wait, seed.shard.meta.get("val"), seed.group_size)
+    return None if found is None else (found[0], found[-1])
+
+
+def resplit_of(wait: fx.Node | None, shard_val, W: int) -> tuple[int, fx.Node, list[fx.Node], fx.Node] | None:
+    """(d, split, getitems, cat) of the re-split after a gather's ``wait`` (NOTE [Shard(1)
+    reads]), for a shard whose meta value is ``shard_val``; None for anything else. Also
+    what the reshard pass tags for recompute with the gather (passes/reshard.py)."""
+    if wait is None or len(wait.users) != 1 or shard_val is None or shard_val.dim() < 2:
         return None
     sp = next(iter(wait.users))
-    if not (sp.op == "call_function" and sp.target is aten.split.Tensor):
-        return None
-    val, sval = seed.shard.meta.get("val"), wait.meta.get("val")
-    if val is None or sval is None or val.dim() < 2:
+    if not (sp.op == "call_function" and sp.target is aten.split.Tensor and sp.args[0] is wait):
         return None
     size = sp.args[1] if len(sp.args) > 1 else sp.kwargs.get("split_size")
     sdim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
-    if sdim != 0 or size != val.shape[0] or sp.args[0] is not wait:
+    if sdim != 0 or size != shard_val.shape[0]:
         return None
     items: dict[int, fx.Node] = {}
     for u in sp.users:
@@ -248,12 +252,12 @@ def shard_dim_resplit(seed: Seed) -> tuple[int, fx.Node] | None:
         return None
     blocks = cat.args[0]
     cdim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-    cdim = cdim + val.dim() if cdim < 0 else cdim
-    if list(blocks) != [items[r] for r in range(W)] or not 1 <= cdim < val.dim():
+    cdim = cdim + shard_val.dim() if cdim < 0 else cdim
+    if list(blocks) != [items[r] for r in range(W)] or not 1 <= cdim < shard_val.dim():
         return None
     if any(next(iter(items[r].users)) is not cat for r in range(W)):
         return None
-    return cdim, cat
+    return cdim, sp, [items[r] for r in range(W)], cat
 
 
 def _stage_cast(x, ph_index) -> fx.Node | None:
