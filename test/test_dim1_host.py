@@ -17,6 +17,9 @@ and cat leave the graph. Every output must be bit-identical to the plain compile
 - ``test_experts_shard1_training``: the expert module trained with AdamW (fp32, and bf16
   ``param_dtype`` (slow)): losses bit-identical, gathers from staging slots in forward and
   backward (reshard after forward recomputes the gather and its re-split).
+- ``test_world4_ep2_layout_inference`` (slow): 4 ranks laid out as graph_trainer's ep=2
+  (experts Shard(1) over the efsdp groups {0,1} and {2,3}, a dense head Shard(0) over all
+  four): exact, all three weights bound.
 - ``test_torchtitan_moe_dim1_inference`` (slow): torchtitan's own MoE layer (router, local
   dispatcher, GroupedExperts: what Qwen3-MoE stacks), wrapped as graph_trainer's
   ``apply_simple_fsdp`` wraps it when ``efsdp * ep > num_experts`` (experts
@@ -314,3 +317,55 @@ def test_experts_shard1_training(tmp_path, bf16):
         assert r["got"] == r["ref"], (r["got"], r["ref"], r["table"])
         assert r["dim_calls"] == 3, (r["dim_calls"], r["table"])  # forward 2, backward 1
         assert set(r["rows"].values()) == {"bound"}, r["table"]
+
+
+class ExpertsAndHead(torch.nn.Module):
+    """Experts on an expert-data-parallel sub-mesh, a dense head on the whole world."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = Experts()
+        self.head = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        return self.head(self.experts(x))
+
+
+def _rank_world4(rank, world, cache_dir, seed):
+    """World 4 as graph_trainer lays out ep=2: a (ep=2, efsdp=2) mesh; the experts
+    ``data_parallel(..., shard_dim=1)`` over efsdp (groups {0,1} and {2,3}), the rest over
+    all four ranks."""
+    setup_compile(cache_dir, rank)
+    import torch_ce
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.experiments.graph_trainer import simple_fsdp
+
+    def build():
+        simple_fsdp._wrap_class_cache.clear()
+        torch.manual_seed(seed)
+        m = ExpertsAndHead().eval()
+        for p in m.parameters():
+            p.requires_grad_(False)
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "efsdp"))
+        m.experts = simple_fsdp.data_parallel(m.experts, mesh2["efsdp"], mode="fully_shard", shard_dim=1)
+        return simple_fsdp.data_parallel(m, init_device_mesh("cpu", (world,)), mode="fully_shard")
+
+    model = build()
+    gen = torch.Generator().manual_seed(seed + 1000 + rank)
+    xs = [torch.randn(2, 5, 16, generator=gen) for _ in range(2)]
+    ref, _, _ = _compiled(model, xs, transport="nccl")
+    try:
+        outs, code, e = _compiled(model, xs, transport="copy_engine", symm_min_shard_mib=0)
+    finally:
+        torch_ce.release_all()
+    return dict(exact=[torch.equal(a, b) for a, b in zip(outs, ref)], dim_calls=len(DIM_CALL.findall(code)),
+                rows={w.param: w.status for w in e.weights}, table=e.table())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SLOW, reason="set TORCH_CE_SLOW=1 (4 ranks)")
+def test_world4_ep2_layout_inference(tmp_path):
+    for r in run_ranks(_rank_world4, 4, str(tmp_path), seed_base(), timeout=600):
+        assert all(r["exact"]), r["table"]
+        assert r["dim_calls"] == 2, (r["dim_calls"], r["table"])
+        assert set(r["rows"].values()) == {"bound"} and len(r["rows"]) == 3, r["table"]
