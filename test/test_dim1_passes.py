@@ -99,3 +99,46 @@ def test_copy_peers_dim_is_cat(rank, shape, d):
     out = torch.full(full, float("nan"))
     copy_peers_dim(out, slot, d)
     assert torch.equal(out, torch.cat(shards, d))
+
+
+_ROWS_MAIN = r"""
+#include "ce_copy.h"
+#include <cstdio>
+using namespace torch_ce_copy;
+int main() {
+  // Two peers' blocks of a [E=3, h=2, D=4] fp32 shard gathered on dim 1 over W=2:
+  // width 2*4*4 = 32 B, pitch 64 B, 3 rows; and a height-1 block (a dim-0 slab).
+  static char out[3 * 64], a[96], b[96], c[40], d[80];
+  Block blocks[3] = {{out, a, 64, 32, 32, 3}, {out + 32, b, 64, 32, 32, 3}, {d, c, 80, 40, 40, 1}};
+  std::vector<void*> dsts; std::vector<const void*> srcs; std::vector<size_t> sizes;
+  rows_of(blocks, 3, dsts, srcs, sizes);
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    const char* base = static_cast<const char*>(srcs[i]);
+    int which = base >= a && base < a + 96 ? 0 : base >= b && base < b + 96 ? 1 : 2;
+    const char* sb = which == 0 ? a : which == 1 ? b : c;
+    const char* db = which == 2 ? d : out;
+    std::printf("%d %td %td %zu\n", which, static_cast<const char*>(dsts[i]) - db, base - sb, sizes[i]);
+  }
+}
+"""
+
+
+def test_rows_of_expands_blocks_into_rows(tmp_path):
+    """csrc/ce_copy.h's ``rows_of`` (the default strided strategy, NOTE [strided reads]),
+    built and run on the host: block k of peer s lands at row r's ``s * width + r * pitch``
+    and reads the source's row ``r * width``; a one-row block is one copy."""
+    import os
+    import shutil
+    import subprocess
+
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    src, exe = tmp_path / "rows.cpp", tmp_path / "rows"
+    src.write_text(_ROWS_MAIN)
+    subprocess.run([nvcc, f"-I{os.path.join(root, 'csrc')}", "-o", str(exe), str(src)], check=True)
+    got = [tuple(int(x) for x in ln.split()) for ln in
+           subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines()]
+    want = [(0, r * 64, r * 32, 32) for r in range(3)] + [(1, 32 + r * 64, r * 32, 32) for r in range(3)]
+    assert got == want + [(2, 0, 0, 40)], got
