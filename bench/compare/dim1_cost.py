@@ -6,7 +6,7 @@ test/cuda_helpers.py: the "peer" copy is a second tensor on the same GPU), so th
 are device-local DtoD copies through the copy engines. That measures the copy shapes
 (how a row-block batch, per-block 2-D copies and one 3-D batch submit and run against one
 contiguous slab), not NVLink. For each expert shape ``[E, h, D]`` (one rank's Shard(1)
-shard, bf16) and each strategy ("rows", "2d", "3d") it prints
+shard, bf16; and a 2-D ``[out, in / 8]`` Linear shard: thousands of short rows) and each strategy ("rows", "2d", "3d") it prints
 
   - GB/s of ``wait_tensor(magi.ce_all_gather_dim(shard, 2, g, 1))`` (output bytes /
     median time of one gather, CUDA events, 50 timed gathers after 10 warm-ups), beside
@@ -35,6 +35,7 @@ SHAPES = [  # one rank's Shard(1) expert shard [E, h, D] (h: the local rows of d
     (128, 1024, 192),  # w2-like: [E, dim, moe_inter / 8]: row blocks of 384 KiB
     (64, 16, 2048),    # many small row blocks (64 KiB)
     (8, 1024, 4096),   # few large row blocks (8 MiB)
+    (4096, 448),       # a 2-D Linear [4096, 3584] Shard(1) over 8: 4096 rows of 896 B
 ]
 STRATEGIES = ("rows", "2d", "3d")
 
@@ -103,7 +104,7 @@ def main():
         out_bytes = 2 * mine.numel() * mine.element_size()
         ref = torch.cat([mine, peer], 1)
         row = dict(shape=list(shape), shard_mib=round(out_bytes / 2 / 2**20, 2),
-                   row_block_kib=round(shape[1] * shape[2] * 2 / 1024, 1))
+                   row_blocks=shape[0], row_block_kib=round(mine[0].numel() * 2 / 1024, 2))
         ms = _median_ms(lambda: wait(op(flat, 2, g)))
         row["shard0_gbps"] = round(out_bytes / ms / 1e6, 1)
         for s in STRATEGIES:
