@@ -6,7 +6,8 @@ test/cuda_helpers.py: the "peer" copy is a second tensor on the same GPU), so th
 are device-local DtoD copies through the copy engines. That measures the copy shapes
 (how a row-block batch, per-block 2-D copies and one 3-D batch submit and run against one
 contiguous slab), not NVLink. For each expert shape ``[E, h, D]`` (one rank's Shard(1)
-shard, bf16; and a 2-D ``[out, in / 8]`` Linear shard: thousands of short rows) and each strategy ("rows", "2d", "3d") it prints
+shard, bf16; and a 2-D ``[out, in / 8]`` Linear shard: thousands of short rows) and each
+strategy ("rows", "2d", "3d") it prints
 
   - GB/s of ``wait_tensor(magi.ce_all_gather_dim(shard, 2, g, 1))`` (output bytes /
     median time of one gather, CUDA events, 50 timed gathers after 10 warm-ups), beside
