@@ -41,6 +41,7 @@ CASES = [
     ((2, 768, 1024), torch.bfloat16, 1), # 1.5 MiB row blocks
     ((4, 64, 8), torch.float32, 2),      # dim 2: 256 rows of 32 B
     ((3, 5, 7), torch.float32, 2),       # odd sizes, 28 B rows
+    ((256, 7), torch.bfloat16, 1),       # a 2-D Linear shard: 256 rows of 14 B
 ]
 STRATEGIES = ("rows", "2d", "3d")
 
