@@ -233,6 +233,8 @@ def resplit_of(wait: fx.Node | None, shard_val, W: int) -> tuple[int, fx.Node, l
     what the reshard pass tags for recompute with the gather (passes/reshard.py)."""
     if wait is None or len(wait.users) != 1 or shard_val is None or shard_val.dim() < 2:
         return None
+    if not all(isinstance(n, int) for n in shard_val.shape):
+        return None  # dynamic: comparing sizes would add a guard (refused as dynamic anyway)
     sp = next(iter(wait.users))
     if not (sp.op == "call_function" and sp.target is aten.split.Tensor and sp.args[0] is wait):
         return None
