@@ -172,4 +172,111 @@ inline cudaError_t per_copy(void* const* dsts, const void* const* srcs,
   return cudaSuccess;
 }
 
+// # NOTE [strided reads]
+// A Shard(d) weight, d >= 1 (NOTE [Shard(1) reads] in torch_ce/passes/gate.py),
+// gathered into its final layout: peer s's shard is `height` = prod(shape[:d])
+// rows of `width` = prod(shape[d:]) * itemsize contiguous bytes, and lands at
+// out + s * width with a pitch of W * width. One Block per (peer, member);
+// three ways to hand the blocks to the copy engines, picked by DimStrategy
+// (set_dim_strategy, an A/B knob: bench/compare/dim1_cost.py measures them):
+//   kDimRows     every row of every block one entry of the one
+//                cudaMemcpyBatchAsync (height * (W - 1) entries per member);
+//                the default: the batch path the Shard(0) gather already uses
+//   kDim2D       one cudaMemcpy2DAsync per block (W - 1 calls per member; any
+//                CUDA version; what CUDA-graph capture always uses)
+//   kDim3DBatch  one cudaMemcpy3DBatchAsync of one 2-D op per block (CUDA >=
+//                12.8; falls back to kDimRows where it is missing)
+// A block whose rows are contiguous on both sides (height 1) is one plain copy
+// in every strategy.
+enum DimStrategy : int { kDimRows = 0, kDim2D = 1, kDim3DBatch = 2 };
+
+struct Block {
+  void* dst;
+  const void* src;
+  size_t dpitch;
+  size_t spitch;
+  size_t width;   // bytes per row
+  size_t height;  // rows
+};
+
+// The blocks as 1-D copies, one per row (one per block where the rows are
+// contiguous on both sides), appended to dsts/srcs/sizes.
+inline void rows_of(const Block* blocks, size_t count, std::vector<void*>& dsts,
+                    std::vector<const void*>& srcs, std::vector<size_t>& sizes) {
+  for (size_t i = 0; i < count; ++i) {
+    const Block& b = blocks[i];
+    if (b.width == 0 || b.height == 0) continue;
+    if (b.height == 1 || (b.dpitch == b.width && b.spitch == b.width)) {
+      dsts.push_back(b.dst);
+      srcs.push_back(b.src);
+      sizes.push_back(b.width * b.height);
+      continue;
+    }
+    for (size_t r = 0; r < b.height; ++r) {
+      dsts.push_back(static_cast<char*>(b.dst) + r * b.dpitch);
+      srcs.push_back(static_cast<const char*>(b.src) + r * b.spitch);
+      sizes.push_back(b.width);
+    }
+  }
+}
+
+// One cudaMemcpy2DAsync per block: any CUDA version, capturable. On error,
+// *failed (if given) is the index of the failing block.
+inline cudaError_t copy_2d(const Block* blocks, size_t count,
+                           cudaStream_t stream, size_t* failed) {
+  for (size_t i = 0; i < count; ++i) {
+    const Block& b = blocks[i];
+    if (b.width == 0 || b.height == 0) continue;
+    cudaError_t err = cudaMemcpy2DAsync(b.dst, b.dpitch, b.src, b.spitch,
+                                        b.width, b.height, cudaMemcpyDefault,
+                                        stream);
+    if (err != cudaSuccess) {
+      if (failed != nullptr) *failed = i;
+      return err;
+    }
+  }
+  return cudaSuccess;
+}
+
+// Every block one 2-D op (depth 1) of one cudaMemcpy3DBatchAsync, with the
+// attributes of batch() above. Pointer operands count in bytes (element size
+// 1): rowLength is the pitch, layerHeight the rows.
+inline cudaError_t batch_3d(const Block* blocks, size_t count,
+                            bool prefer_overlap, cudaStream_t stream) {
+#if CUDART_VERSION >= 12080
+  std::vector<cudaMemcpy3DBatchOp> ops;
+  ops.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    const Block& b = blocks[i];
+    if (b.width == 0 || b.height == 0) continue;
+    cudaMemcpy3DBatchOp op;
+    memset(&op, 0, sizeof(op));
+    op.src.type = cudaMemcpyOperandTypePointer;
+    op.src.op.ptr.ptr = const_cast<void*>(b.src);
+    op.src.op.ptr.rowLength = b.spitch;
+    op.src.op.ptr.layerHeight = b.height;
+    op.dst.type = cudaMemcpyOperandTypePointer;
+    op.dst.op.ptr.ptr = b.dst;
+    op.dst.op.ptr.rowLength = b.dpitch;
+    op.dst.op.ptr.layerHeight = b.height;
+    op.extent.width = b.width;
+    op.extent.height = b.height;
+    op.extent.depth = 1;
+    op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    op.flags = prefer_overlap ? cudaMemcpyFlagPreferOverlapWithCompute : 0;
+    ops.push_back(op);
+  }
+  if (ops.empty()) return cudaSuccess;
+#if CUDART_VERSION >= 13000
+  return cudaMemcpy3DBatchAsync(ops.size(), ops.data(), 0, stream);
+#else
+  size_t fail_idx = 0;
+  return cudaMemcpy3DBatchAsync(ops.size(), ops.data(), &fail_idx, 0, stream);
+#endif
+#else
+  (void)blocks; (void)count; (void)prefer_overlap; (void)stream;
+  return cudaErrorNotSupported;
+#endif
+}
+
 }  // namespace torch_ce_copy

@@ -95,6 +95,8 @@ std::atomic<size_t> g_peer_chunk{0};  // bytes; 0: whole slabs
 // torch_ce/runtime/prefetch.py): every bucket then goes to the Python kernel,
 // which owns the park.
 std::atomic<bool> g_prefetch_pending{false};
+// NOTE [strided reads] in ce_copy.h: how a Shard(d) gather hands its blocks over.
+std::atomic<int> g_dim_strategy{torch_ce_copy::kDimRows};
 
 // Two copy streams per device: peer reads, and this rank's own rows.
 struct DeviceStreams {
@@ -346,6 +348,194 @@ std::vector<at::Tensor> ce_all_gather_coalesced_cuda(
   return gather_slots(shards, group_size, slots);
 }
 
+// # NOTE [strided reads] (the torch side; the copies are in ce_copy.h)
+// magi::ce_all_gather_dim: a Shard(d) shard gathered into the weight's final
+// layout. Same streams, events, Work and peer order as gather_slots (whole
+// blocks: the chunked interleave does not apply), but each peer's shard is a
+// strided Block (height rows of width bytes, pitch W * width in the output)
+// instead of one contiguous slab. Under capture the blocks go out as one
+// cudaMemcpy2DAsync each (capturable; a row-per-entry plan would be one graph
+// node per row).
+std::vector<at::Tensor> gather_slots_dim(
+    at::TensorList shards, int64_t group_size, c10::IntArrayRef dims,
+    const std::vector<std::shared_ptr<const Slot>>& slots) {
+  const int device = shards[0].device().index();
+  const c10::cuda::CUDAGuard guard(shards[0].device());
+  const auto cur = c10::cuda::getCurrentCUDAStream(device);
+  const DeviceStreams ds = streams_for(device);
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  CE_CUDA_CHECK(cudaStreamIsCapturing(cur.stream(), &cap),
+                "cudaStreamIsCapturing");
+  const bool capturing = cap != cudaStreamCaptureStatusNone;
+  const bool split = g_split_local.load(std::memory_order_relaxed);
+  const int order = g_peer_order.load(std::memory_order_relaxed);
+  const int64_t rank = slots[0]->rank;  // one group
+
+  std::vector<at::Tensor> outs;
+  outs.reserve(shards.size());
+  std::vector<torch_ce_copy::Block> members, peer_blocks, local_blocks;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const Slot& slot = *slots[i];
+    const int64_t d = dims[i];
+    TORCH_CHECK(d >= 0 && d < static_cast<int64_t>(slot.shape.size()),
+                "torch_ce: ce_all_gather_dim: gather_dim ", d, " outside a ",
+                slot.shape.size(), "-d shard");
+    std::vector<int64_t> sizes = slot.shape;
+    sizes[d] *= group_size;
+    outs.push_back(at::empty(sizes, shards[i].options()));
+    size_t height = 1;
+    for (int64_t k = 0; k < d; ++k) height *= static_cast<size_t>(slot.shape[k]);
+    const size_t width = height ? static_cast<size_t>(slot.nbytes) / height : 0;
+    // The member's block of source 0; source s is `s * width` further in the output.
+    members.push_back({outs.back().data_ptr(), nullptr,
+                       static_cast<size_t>(group_size) * width, width, width,
+                       height});
+  }
+  auto block = [&](size_t m, int s) {
+    torch_ce_copy::Block b = members[m];
+    b.dst = static_cast<char*>(b.dst) + static_cast<size_t>(s) * b.width;
+    b.src = slots[m]->peer_ptrs[s];
+    return b;
+  };
+  std::vector<int> sources;
+  for (int k = 0; k < group_size; ++k) {
+    const int s = torch_ce_copy::source_at(static_cast<int>(rank),
+                                           static_cast<int>(group_size), k, order);
+    if (s != rank || !split) sources.push_back(s);
+  }
+  if (order == torch_ce_copy::kRotated) {  // peer-major (NOTE [peer order])
+    for (int s : sources)
+      for (size_t m = 0; m < members.size(); ++m) peer_blocks.push_back(block(m, s));
+  } else {
+    for (size_t m = 0; m < members.size(); ++m)
+      for (int s : sources) peer_blocks.push_back(block(m, s));
+  }
+  if (split)
+    for (size_t m = 0; m < members.size(); ++m)
+      local_blocks.push_back(block(m, static_cast<int>(rank)));
+
+  cudaEvent_t ready = take_event(device);
+  CE_CUDA_CHECK(cudaEventRecord(ready, cur.stream()), "cudaEventRecord");
+  CE_CUDA_CHECK(cudaStreamWaitEvent(ds.peer, ready, 0), "cudaStreamWaitEvent");
+  if (!local_blocks.empty())
+    CE_CUDA_CHECK(cudaStreamWaitEvent(ds.local, ready, 0),
+                  "cudaStreamWaitEvent");
+  give_event(device, ready);
+
+  int strategy = capturing ? torch_ce_copy::kDim2D
+                           : g_dim_strategy.load(std::memory_order_relaxed);
+  if (strategy != torch_ce_copy::kDim2D && !batch_ok())
+    strategy = torch_ce_copy::kDim2D;
+  auto submit = [&](const std::vector<torch_ce_copy::Block>& blocks,
+                    cudaStream_t st) {
+    if (blocks.empty()) return;
+    if (strategy == torch_ce_copy::kDim2D) {
+      size_t failed = 0;
+      CE_CUDA_CHECK(torch_ce_copy::copy_2d(blocks.data(), blocks.size(), st,
+                                           &failed),
+                    "cudaMemcpy2DAsync");
+    } else if (strategy == torch_ce_copy::kDim3DBatch) {
+      CE_CUDA_CHECK(torch_ce_copy::batch_3d(blocks.data(), blocks.size(),
+                                            true, st),
+                    "cudaMemcpy3DBatchAsync");
+    } else {
+      std::vector<void*> d;
+      std::vector<const void*> s;
+      std::vector<size_t> z;
+      torch_ce_copy::rows_of(blocks.data(), blocks.size(), d, s, z);
+      CE_CUDA_CHECK(torch_ce_copy::batch(d.data(), s.data(), z.data(),
+                                         d.size(), true, st),
+                    "cudaMemcpyBatchAsync");
+    }
+  };
+  submit(peer_blocks, ds.peer);
+  if (!local_blocks.empty()) {
+    submit(local_blocks, ds.local);
+    cudaEvent_t local_done = take_event(device);
+    CE_CUDA_CHECK(cudaEventRecord(local_done, ds.local), "cudaEventRecord");
+    CE_CUDA_CHECK(cudaStreamWaitEvent(ds.peer, local_done, 0),
+                  "cudaStreamWaitEvent");
+    give_event(device, local_done);
+  }
+  cudaEvent_t done = take_event(device);
+  CE_CUDA_CHECK(cudaEventRecord(done, ds.peer), "cudaEventRecord");
+  auto work = c10::make_intrusive<CopyEngineWork>(done, device);
+  const auto peer_stream = c10::cuda::getStreamFromExternal(ds.peer, device);
+  for (auto& out : outs) {
+    if (!capturing)
+      c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(),
+                                                    peer_stream);
+    c10d::register_work(out, work);
+  }
+  return outs;
+}
+
+at::Tensor gather_dim_python(const at::Tensor& shard, int64_t group_size,
+                             c10::string_view group_name, int64_t gather_dim) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(
+          "torch_ce::gather_dim_python", "");
+  std::vector<c10::IValue> stack;
+  stack.emplace_back(shard);
+  stack.emplace_back(group_size);
+  stack.emplace_back(std::string(group_name));
+  stack.emplace_back(gather_dim);
+  op.callBoxed(&stack);
+  return stack.at(0).toTensor();
+}
+
+at::Tensor ce_all_gather_dim_cuda(const at::Tensor& shard, int64_t group_size,
+                                  c10::string_view group_name,
+                                  int64_t gather_dim) {
+  std::vector<std::shared_ptr<const Slot>> slots;
+  if (g_prefetch_pending.load(std::memory_order_relaxed) || gather_dim < 0 ||
+      gather_dim >= shard.dim() ||
+      !resolve({shard}, group_size, group_name, slots))
+    return gather_dim_python(shard, group_size, group_name, gather_dim);
+  return gather_slots_dim({shard}, group_size, {gather_dim}, slots)[0];
+}
+
+// The Python kernel's way back for a bound CUDA Shard(d) shard it handled.
+std::vector<at::Tensor> gather_bound_dim(at::TensorList shards,
+                                         int64_t group_size,
+                                         c10::IntArrayRef dims) {
+  TORCH_CHECK(!shards.empty() && dims.size() == shards.size(),
+              "torch_ce: gather_bound_dim: one gather dim per member");
+  std::vector<std::shared_ptr<const Slot>> slots;
+  slots.reserve(shards.size());
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    for (const auto& s : shards) {
+      TORCH_CHECK(s.is_cuda() && s.device() == shards[0].device() && s.dim() > 0,
+                  "torch_ce: gather_bound_dim: members must be CUDA tensors of one "
+                  "device, at least 1-d");
+      auto it = g_slots.find(reinterpret_cast<uintptr_t>(s.data_ptr()));
+      TORCH_CHECK(it != g_slots.end(),
+                  "torch_ce: gather_bound_dim: a member is not in the C++ slot "
+                  "registry (registered only through windows.register)");
+      const Slot& slot = *it->second;
+      TORCH_CHECK(slot.dtype == s.scalar_type() && s.sizes().equals(slot.shape) &&
+                      s.is_contiguous() &&
+                      static_cast<int64_t>(slot.peer_ptrs.size()) == group_size,
+                  "torch_ce: gather_bound_dim: a member does not match its slot "
+                  "(dtype, shape, contiguity or group size)");
+      slots.push_back(it->second);
+    }
+  }
+  return gather_slots_dim(shards, group_size, dims, slots);
+}
+
+void set_dim_strategy(int64_t strategy) {
+  TORCH_CHECK(strategy >= torch_ce_copy::kDimRows &&
+                  strategy <= torch_ce_copy::kDim3DBatch,
+              "torch_ce: set_dim_strategy: unknown strategy ", strategy);
+  g_dim_strategy.store(static_cast<int>(strategy), std::memory_order_relaxed);
+}
+
+int64_t dim_strategy() {
+  return g_dim_strategy.load(std::memory_order_relaxed);
+}
+
 // The Python kernel's way back for the bound CUDA members of a bucket it
 // handled (it checked the group and took any parked outputs): every member
 // must be in the registry, whatever the group's name and the park's state.
@@ -511,9 +701,14 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("set_peer_order(int order, int chunk_bytes) -> ()", &set_peer_order);
   m.def("set_prefetch_pending(bool pending) -> ()", &set_prefetch_pending);
   m.def("build_info() -> str", &build_info);
+  m.def("gather_bound_dim(Tensor[] shards, int group_size, int[] dims) -> Tensor[]",
+        &gather_bound_dim);
+  m.def("set_dim_strategy(int strategy) -> ()", &set_dim_strategy);
+  m.def("dim_strategy() -> int", &dim_strategy);
 }
 
 TORCH_LIBRARY_IMPL(magi, CUDA, m) {
   m.impl("ce_all_gather", TORCH_FN(ce_all_gather_cuda));
   m.impl("ce_all_gather_coalesced", TORCH_FN(ce_all_gather_coalesced_cuda));
+  m.impl("ce_all_gather_dim", TORCH_FN(ce_all_gather_dim_cuda));
 }

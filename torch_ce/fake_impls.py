@@ -18,6 +18,13 @@ def _ce_all_gather_coalesced_fake(shards, group_size: int, group_name: str):
     return [s.new_empty((group_size * s.shape[0], *s.shape[1:])) for s in shards]
 
 
+@torch.library.register_fake("magi::ce_all_gather_dim")
+def _ce_all_gather_dim_fake(shard: torch.Tensor, group_size: int, group_name: str, gather_dim: int):
+    full = list(shard.shape)
+    full[gather_dim] *= group_size
+    return shard.new_empty(full)
+
+
 @torch.library.register_fake("magi::ce_bind")
 def _ce_bind_fake(shards, group_sizes, group_names, names, reasons) -> None:
     return None

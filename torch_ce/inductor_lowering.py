@@ -26,8 +26,8 @@ def register_lowerings() -> None:
     magi = torch.ops.magi
     if magi.ce_staged.default not in lowering.lowerings:
         lowering.register_lowering(magi.ce_staged.default, type_promotion_kind=None)(_staged_lowering)
-    for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_bind, magi.ce_prefetch,
-               magi.ce_gather_rows, magi.ce_stage):
+    for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_all_gather_dim, magi.ce_bind,
+               magi.ce_prefetch, magi.ce_gather_rows, magi.ce_stage):
         for overload in op.overloads():
             target = getattr(op, overload)
             if target not in lowering.lowerings:
@@ -74,7 +74,7 @@ def ce_launch_info(snode) -> tuple[int, int, str] | None:
     node = getattr(snode, "node", None)
     op = getattr(node, "op_overload", None)
     if op not in (magi.ce_all_gather.default, magi.ce_all_gather_coalesced.default,
-                  magi.ce_prefetch.default):
+                  magi.ce_all_gather_dim.default, magi.ce_prefetch.default):
         return None
     for origin in getattr(node, "origins", ()) or ():
         if origin.target is op:

@@ -14,6 +14,16 @@ kernels' outputs carry c10d work: ``_c10d_functional.wait_tensor`` orders the co
 after the copies. The host transport (CPU) and the opted-in pure-torch CUDA fallback copy
 on the current stream (runtime/gather.py).
 
+    magi::ce_all_gather_dim(Tensor shard, int group_size, str group_name, int gather_dim) -> Tensor
+
+A Shard(``gather_dim``) weight gathered into its final layout (NOTE [Shard(1) reads] in
+passes/gate.py): ``gather_dim`` of the output is ``group_size`` times the shard's, rank r's
+shard at ``[..., r*h:(r+1)*h, ...]`` along it (``gather_dim`` 0 is ``ce_all_gather``). What
+``cat(all_gather(shard).split(shard.shape[0]), gather_dim)`` computes, without the
+intermediate. Strided one-sided reads; the output carries c10d work on CUDA like
+``ce_all_gather``'s (wait_tensor). Refused by agreement: the collective, waited, then the
+re-split, on every rank.
+
     magi::ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_name) -> Tensor
 
 ``embedding(full table, ids)`` without the full table (NOTE [row gathers] in
@@ -58,7 +68,7 @@ import torch
 
 from .runtime import native, prefetch
 from .runtime import windows as W
-from .runtime.gather import gather_rows, gather_slots
+from .runtime.gather import gather_rows, gather_slot_dim, gather_slots
 
 _FUNCTIONAL = torch.ops._c10d_functional
 
@@ -166,6 +176,29 @@ def ce_all_gather_coalesced(
     return gather(shards, group_size, group_name)
 
 
+def ce_all_gather_dim(shard: torch.Tensor, group_size: int, group_name: str, gather_dim: int) -> torch.Tensor:
+    """A bound Shard(``gather_dim``) shard gathered by strided one-sided reads into the
+    weight's final layout; refused by agreement (the same on every rank): the collective
+    gather, waited, re-split. An unbound shard raises, as in ``gather``."""
+    if not 0 <= gather_dim < shard.dim():
+        raise RuntimeError(f"torch_ce: magi::ce_all_gather_dim: gather_dim {gather_dim} outside "
+                           f"a {shard.dim()}-d shard")
+    if group_size == 1:
+        entry = W.lookup(shard)
+        if isinstance(entry, W.Slot):
+            _check_group(entry, group_size, group_name)
+        return shard.clone()
+    _check_live(group_name)
+    entry = W.lookup(shard)
+    if isinstance(entry, W.Slot):
+        _check_group(entry, group_size, group_name)
+        return gather_slot_dim(shard, entry, group_size, gather_dim)
+    if isinstance(entry, W.Fallback):
+        full = _collective_gather(shard, group_size, group_name, wait=True)
+        return torch.cat(full.split(shard.shape[0]), gather_dim)
+    raise _unbound_error(shard, group_name, "ce_all_gather_dim")
+
+
 def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Rows ``ids`` of the gathered table: read from their owners if ``shard`` is bound,
     else (refused by agreement: identically on every rank) the full collective gather and
@@ -222,16 +255,19 @@ _lib.define(
     "str[] reasons, bool refresh) -> ()"
 )
 _lib.define("ce_staged(Tensor[] params, str[] dtypes, str[] group_names) -> Tensor[]")
+_lib.define("ce_all_gather_dim(Tensor shard, int group_size, str group_name, int gather_dim) -> Tensor")
 _lib.define("ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_name) -> Tensor")
 # The Python kernel under its own name: the C++ kernels hand it every bucket they do not
 # serve (NOTE [native gather path] in csrc/ce_torch.cpp). Never traced, so no fake impl.
 _private = torch.library.Library("torch_ce", "DEF")
 _private.define("gather_python(Tensor[] shards, int group_size, str group_name) -> Tensor[]")
+_private.define("gather_dim_python(Tensor shard, int group_size, str group_name, int gather_dim) -> Tensor")
 
 _native = native.load()
 W.on_release(native.clear)
 for _key in ("CPU", "CUDA"):
     _private.impl("gather_python", gather, _key)
+    _private.impl("gather_dim_python", ce_all_gather_dim, _key)
     _lib.impl("ce_bind", ce_bind, _key)
     _lib.impl("ce_prefetch", ce_prefetch, _key)
     _lib.impl("ce_stage", ce_stage, _key)
@@ -241,6 +277,7 @@ for _key in ("CPU", "CUDA"):
         continue  # the C++ kernels are registered for CUDA by the library itself
     _lib.impl("ce_all_gather", ce_all_gather, _key)
     _lib.impl("ce_all_gather_coalesced", ce_all_gather_coalesced, _key)
+    _lib.impl("ce_all_gather_dim", ce_all_gather_dim, _key)
 
 
 from . import fake_impls  # noqa: E402,F401  (registers the fake impls beside the ops)

@@ -80,7 +80,9 @@ def plan_buckets(graph: fx.Graph, seeds: list[Seed], cfg: Config) -> list[Bucket
         cur: list[Seed] = []
         for s in run:
             # NOTE [refused gathers stay single]: a refused gather neither joins nor takes.
+            # A Shard(d) gather (NOTE [Shard(1) reads] in gate.py) stays single as well.
             if cur and (not s.eligible or not cur[-1].eligible or _key(s) != _key(cur[-1])
+                        or s.gather_dim or cur[-1].gather_dim
                         or (cap and sum(m.nbytes for m in cur) + s.nbytes > cap)):
                 buckets.append(Bucket(cur, cur[0].eligible))
                 cur = []

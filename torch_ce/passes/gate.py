@@ -10,7 +10,8 @@ valid across ranks. A gather is eligible when:
     either in an inference graph (where the shard itself is bound), while a training graph
     may cast it first (mixed precision: the cast is what its staging slot holds);
   * it is a single even Shard(0) gather: its output is used as is (an uneven Shard(0) is
-    sliced after the wait; Shard(1) is re-split; a 2-D placement is gathered again);
+    sliced after the wait; a 2-D placement is gathered again); or an even Shard(d), d >= 1,
+    whose re-split the rewrite folds into the reads (NOTE [Shard(1) reads]);
   * the shard is contiguous, static-shaped, on a device the transport serves, and at least
     ``symm_min_shard_mib`` large: ``shard_refusal`` (runtime/eligibility.py), the predicate
     the run-time bind applies to the live shard, so the two cannot disagree;
@@ -32,6 +33,7 @@ writes a window. A gather of an input the graph mutates keeps the collective eit
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
@@ -68,6 +70,10 @@ class Seed:
     # pad or view): the bind step lists it even when refused, so that every rank agrees
     # over the same candidates (NOTE [agreement before anything moves] in agreement.py).
     weight: fx.Node | None = None
+    # NOTE [Shard(1) reads]: the dim the gathered blocks are concatenated along (0: a plain
+    # Shard(0) gather); for d >= 1, ``resplit`` is the cat that rebuilds the weight.
+    gather_dim: int = 0
+    resplit: fx.Node | None = None
 
     @property
     def eligible(self) -> bool:
@@ -256,6 +262,69 @@ def _output_reason(wait: fx.Node | None) -> Refusal | None:
     return None
 
 
+# NOTE [Shard(1) reads]
+# A weight placed Shard(d), d >= 1 (torchtitan's graph_trainer shards routed experts
+# [num_experts, out, in] on dim 1 when efsdp * ep > num_experts) is gathered along dim 0
+# and re-split in the post-grad graph (torch 2.13, inference and training forward):
+#
+#     %ag : all_gather_into_tensor(%w, W, g)          %w: [E, h, D] -> [W*E, h, D]
+#     %wt : wait_tensor(%ag)
+#     %sp : aten.split.Tensor(%wt, E)                 (dim 0, one block per rank)
+#     %b0 : getitem(%sp, 0) ... %b{W-1} : getitem(%sp, W-1)
+#     %cat : aten.cat([%b0, ..., %b{W-1}], 1)         [E, W*h, D]
+#
+# Peer r's block is the slice [:, r*h:(r+1)*h] of the result: ``prod(shape[:d])`` rows of
+# ``prod(shape[d:])`` contiguous elements each, a fixed pitch apart. The copy engines can
+# write that slice directly (a strided 2-D copy per peer), so the gather and the re-split
+# become one ``magi.ce_all_gather_dim(%w, W, g, d)`` whose output is the weight in its
+# final layout (passes/rewrite.py ``rewrite_dim``; runtime/gather.py ``copy_peers_dim``;
+# the CUDA strided reads in csrc/ce_torch.cpp). Only this exact, even pattern qualifies:
+# a re-split of uneven size (split_with_sizes), of other blocks, in another order, or with
+# any other reader of the blocks stays refused.
+
+
+def shard_dim_resplit(seed: Seed) -> tuple[int, fx.Node] | None:
+    """(d, the cat) if the gathered blocks are only re-split along dim 0 into one block per
+    rank and concatenated in rank order along dim d >= 1 (NOTE [Shard(1) reads]); else None."""
+    found = resplit_of(seed.wait, seed.shard.meta.get("val"), seed.group_size)
+    return None if found is None else (found[0], found[-1])
+
+
+def resplit_of(wait: fx.Node | None, shard_val, W: int) -> tuple[int, fx.Node, list[fx.Node], fx.Node] | None:
+    """(d, split, getitems, cat) of the re-split after a gather's ``wait`` (NOTE [Shard(1)
+    reads]), for a shard whose meta value is ``shard_val``; None for anything else. Also
+    what the reshard pass tags for recompute with the gather (passes/reshard.py)."""
+    if wait is None or len(wait.users) != 1 or shard_val is None or shard_val.dim() < 2:
+        return None
+    if not all(isinstance(n, int) for n in shard_val.shape):
+        return None  # dynamic: comparing sizes would add a guard (refused as dynamic anyway)
+    sp = next(iter(wait.users))
+    if not (sp.op == "call_function" and sp.target is aten.split.Tensor and sp.args[0] is wait):
+        return None
+    size = sp.args[1] if len(sp.args) > 1 else sp.kwargs.get("split_size")
+    sdim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
+    if sdim != 0 or size != shard_val.shape[0]:
+        return None
+    items: dict[int, fx.Node] = {}
+    for u in sp.users:
+        if not (u.op == "call_function" and u.target is operator.getitem and len(u.users) == 1):
+            return None
+        items[u.args[1]] = u
+    if sorted(items) != list(range(W)):
+        return None
+    cat = next(iter(items[0].users))
+    if not (cat.op == "call_function" and cat.target is aten.cat.default):
+        return None
+    blocks = cat.args[0]
+    cdim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    cdim = cdim + shard_val.dim() if cdim < 0 else cdim
+    if list(blocks) != [items[r] for r in range(W)] or not 1 <= cdim < shard_val.dim():
+        return None
+    if any(next(iter(items[r].users)) is not cat for r in range(W)):
+        return None
+    return cdim, sp, [items[r] for r in range(W)], cat
+
+
 def _stage_cast(x, ph_index) -> fx.Node | None:
     """``x`` if it is a dtype cast of a weight placeholder used only by this gather (a
     mixed-precision ``param_dtype`` cast), else None."""
@@ -307,7 +376,10 @@ def _seed_reason(seed: Seed, x: fx.Node, val, ph_index, cfg: Config) -> Refusal 
         return _input_reason(x, ph_index)
     if not _is_weight(x, ph_index[x]):
         return Refusal(Reason.NOT_A_PARAMETER, "gather input is a graph input that is not a parameter")
-    out = _output_reason(seed.wait)
+    dim_cat = shard_dim_resplit(seed)
+    if dim_cat is not None:  # NOTE [Shard(1) reads]: the rewrite folds the re-split away
+        seed.gather_dim, seed.resplit = dim_cat
+    out = None if dim_cat is not None else _output_reason(seed.wait)
     if out:
         return out
     if val is None:
@@ -404,7 +476,10 @@ def serving_refusal(gather: fx.Node, cfg: Config, *, training: bool, ph_index: d
                                                     and set(cast.kwargs) - {"dtype"})):
         return Refusal(Reason.CAST_BEFORE_GATHER,
                        "cast before gather (store inference weights in the compute dtype)")
-    out = _output_reason(wg.wait)
+    # A Shard(d >= 1) gather re-split in rank order is served as one strided read (NOTE
+    # [Shard(1) reads]); the re-split's shape facts are the gathered blocks', alike on every rank.
+    resplit = resplit_of(wg.wait, wg.gather.args[0].meta.get("val"), int(wg.gather.args[1]))
+    out = None if resplit is not None else _output_reason(wg.wait)
     if out:
         return out
     why = _mutation_reason(wg.weight, mutated)

@@ -79,10 +79,20 @@ def tag_recompute(graph: fx.Graph, cfg=None) -> int:
             continue
         if gate.serving_refusal(g, cfg, training=True, ph_index=ph_index, mutated=mutated) is not None:
             continue
-        for node in chain:
+        for node in chain + _resplit(chain[-1], g):
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         n += 1
     return n
+
+
+def _resplit(wait: fx.Node, gather: fx.Node) -> list[fx.Node]:
+    """A Shard(d) gather's re-split (split, getitems, cat: NOTE [Shard(1) reads] in gate.py),
+    recomputed with it: else the partitioner saves the rebuilt full weight."""
+    from .gate import resplit_of
+
+    x = gather.args[0]
+    found = resplit_of(wait, x.meta.get("val") if isinstance(x, fx.Node) else None, int(gather.args[1]))
+    return [] if found is None else [found[1], *found[2], found[3]]
 
 
 class ReshardPass(CustomGraphPass):

@@ -33,6 +33,14 @@ slots the gathers read::
 ce_stage's last argument says whether this graph refreshes the slots (a forward: fence, copy,
 fence) or only reads them (a backward: its forward refreshed them this step). The cast
 before the gather goes: the stage step casts.
+
+A Shard(d) gather, d >= 1 (NOTE [Shard(1) reads] in gate.py), loses its re-split too
+(``rewrite_dim``)::
+
+    %ag : all_gather_into_tensor(%w, 2, '0')           %ag : magi.ce_all_gather_dim(%w, 2, '0', 1)
+    %wt : wait_tensor(%ag)                       ->    %wt : wait_tensor(%ag)
+    %sp : split(%wt, E); %b0, %b1 : getitem(%sp, .)    (gone: %wt is the weight in its
+    %cat : cat([%b0, %b1], 1)                           final layout, the cat's users read it)
 """
 from __future__ import annotations
 
@@ -52,6 +60,8 @@ def rewrite(graph: fx.Graph, p: Plan, refresh: bool = True) -> fx.Node | None:
         return _rewrite_staged(graph, p, refresh)
     for s in p.seeds:
         s.gather.target = U.magi.ce_all_gather.default
+        if s.gather_dim:
+            rewrite_dim(graph, s)
     if not p.shards:
         return None
     bind = _head_step(graph, U.magi.ce_bind.default, p)
@@ -110,6 +120,28 @@ def _rewrite_staged(graph: fx.Graph, p: Plan, refresh: bool) -> fx.Node | None:
         s.gather.target = U.magi.ce_all_gather.default
         s.gather.args = (slot, *s.gather.args[1:])
         s.shard = slot
+        if s.gather_dim:
+            rewrite_dim(graph, s)
         if isinstance(old, fx.Node) and old.op == "call_function" and not old.users:
             graph.erase_node(old)  # the cast: the stage step casts
     return stage
+
+
+def rewrite_dim(graph: fx.Graph, s) -> None:
+    """Fold a Shard(d) gather's re-split into the gather (NOTE [Shard(1) reads] in gate.py):
+    the gather becomes ``magi.ce_all_gather_dim(shard, W, group, d)``, whose output (and its
+    wait's) is the cat's, and the split, its getitems and the cat leave the graph."""
+    cat, wait = s.resplit, s.wait
+    full = cat.meta.get("val")
+    split = wait.args[0] is s.gather and next(iter(wait.users))
+    s.gather.target = U.magi.ce_all_gather_dim.default
+    s.gather.args = (*s.gather.args[:3], s.gather_dim)
+    if full is not None:
+        s.gather.meta["val"] = full
+        wait.meta["val"] = full
+    cat.replace_all_uses_with(wait)
+    graph.erase_node(cat)
+    for item in list(split.users):
+        graph.erase_node(item)
+    graph.erase_node(split)
+    s.resplit = None

@@ -11,6 +11,7 @@ registered for the tensor).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -49,6 +50,63 @@ def gather_slots(shards: Sequence[torch.Tensor], slots: Sequence[Slot], group_si
     outs = [s.new_empty((group_size * s.shape[0], *s.shape[1:])) for s in shards]
     copy_peers(outs, slots)
     return outs
+
+
+def gather_dim_shape(shape, group_size: int, dim: int) -> list[int]:
+    """The gathered weight's shape of a Shard(``dim``) shard (NOTE [Shard(1) reads] in
+    passes/gate.py): ``shape`` with dim ``dim`` times ``group_size``."""
+    full = list(shape)
+    full[dim] *= group_size
+    return full
+
+
+def copy_peers_dim(out: torch.Tensor, slot: Slot, dim: int) -> None:
+    """One-sided strided reads: rank r's shard lands at ``out[..., r*h:(r+1)*h, ...]`` (h =
+    its size along ``dim``), i.e. ``prod(shape[:dim])`` row blocks of ``prod(shape[dim:])``
+    elements, a ``group_size`` times wider pitch apart in ``out``. The same peer order as
+    ``copy_peers``, this rank's own block last."""
+    outer = 1
+    for n in slot.shape[:dim]:
+        outer *= int(n)
+    view = out.view(outer, slot.group_size, -1)
+    order = peer_order(slot.window.rank, slot.group_size, native.peer_order()[0]) + [slot.window.rank]
+    for r in order:
+        view[:, r].copy_(slot.peer_views[r].reshape(outer, -1))
+
+
+def gather_slot_dim(shard: torch.Tensor, slot: Slot, group_size: int, dim: int) -> torch.Tensor:
+    """A fresh gathered weight of a bound Shard(``dim``) ``shard`` (its ``slot``, whose group
+    the caller checked), in its final layout: the C++ strided reads on CUDA (NOTE [strided
+    reads] in csrc/ce_torch.cpp), else ``copy_peers_dim``."""
+    if shard.is_cuda and native.loaded():
+        return torch.ops.torch_ce_native.gather_bound_dim([shard], group_size, [dim])[0]
+    out = shard.new_empty(gather_dim_shape(shard.shape, group_size, dim))
+    copy_peers_dim(out, slot, dim)
+    return out
+
+
+# NOTE [strided reads] in csrc/ce_copy.h: name -> the C++ enum DimStrategy.
+DIM_STRATEGIES = {"rows": 0, "2d": 1, "3d": 2}
+
+
+@contextlib.contextmanager
+def dim_strategy_as(name: str):
+    """Shard(d) gathers issued inside hand their strided blocks to the copy engines as
+    ``name`` (NOTE [strided reads]: "rows", the default, one batch entry per row block;
+    "2d", one cudaMemcpy2DAsync per peer block; "3d", one cudaMemcpy3DBatchAsync); the
+    default comes back on exit. An A/B switch for bench/compare/dim1_cost.py and the GPU
+    tests; without the C++ kernels it changes nothing."""
+    if name not in DIM_STRATEGIES:
+        raise ValueError(f"torch_ce: dim strategy {name!r}: expected one of {sorted(DIM_STRATEGIES)}")
+    if not native.loaded():
+        yield
+        return
+    prev = int(torch.ops.torch_ce_native.dim_strategy())
+    torch.ops.torch_ce_native.set_dim_strategy(DIM_STRATEGIES[name])
+    try:
+        yield
+    finally:
+        torch.ops.torch_ce_native.set_dim_strategy(prev)
 
 
 def gather_rows(shard: torch.Tensor, slot: Slot, ids: torch.Tensor) -> torch.Tensor:
