@@ -3,7 +3,8 @@
 # Usage there, from the repository root, with .whl/ carried (it holds the
 # nvidia-cuda-crt wheel of torch's CUDA version; see below):
 #   bash bench/gpu_build_check.sh
-# Everything is logged under $OUT; a short table is printed last.
+# Everything is logged under $OUT; a short table is printed last. TESTS overrides the
+# 1-GPU test files run on the no-nvcc build.
 #  1. nvcc hidden (PATH without it, CUDA_HOME unset): install the crt/ headers' wheel from
 #     .whl/ and torch_ce as the README's GPU install does, run the 1-GPU tests, print
 #     explain()'s gather kernel line.
@@ -89,8 +90,8 @@ TRITON_INC=$($PY -c "import os, triton; print(os.path.join(os.path.dirname(trito
   echo "rc=$?" >> "$OUT/guard_mismatch.log" ) &
 MIS_JOB=$!
 
-nonvcc timeout 330 $PY -m pytest -q -s -p no:cacheprovider test/test_build.py test/test_native_cuda.py \
-  test/test_rows_cuda.py test/test_rows_triton_cuda.py > "$OUT/tests_no_nvcc.log" 2>&1
+TESTS=${TESTS:-"test/test_build.py test/test_native_cuda.py test/test_rows_cuda.py test/test_rows_triton_cuda.py"}
+nonvcc timeout 330 $PY -m pytest -q -s -p no:cacheprovider $TESTS > "$OUT/tests_no_nvcc.log" 2>&1
 rc=$?
 echo "1-GPU tests (no-nvcc build) rc=$rc: $(tail -1 "$OUT/tests_no_nvcc.log")"
 [ $rc -eq 0 ] || { grep -E "^(FAILED|ERROR)|Error" "$OUT/tests_no_nvcc.log" | head -20; fail=1; }
