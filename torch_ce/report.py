@@ -29,7 +29,8 @@ class WeightRecord(_Readable):
     ``param``: the parameter's name (NOTE [parameter names]); ``name``: the post-grad
     placeholder; ``gathers``: how many gathers of it the graph holds.
 
-    NOTE [coverage bytes]: ``gathered_bytes`` is what this weight's gathers move per call
+    NOTE [coverage bytes]
+    ``gathered_bytes`` is what this weight's gathers move per call
     of the graph, counted as the bytes a gather call writes to its output (local shard x
     group size: the padded size of an uneven Shard(0)), summed over its gathers; a weight
     read by row gathers counts the looked-up rows x row bytes instead (the most the row
