@@ -40,11 +40,17 @@ def _param(cid: str, slow: bool):
     return pytest.param(cid, marks=marks, id=cid)
 
 
-def _check(cid: str, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    """One Inductor cache root for the module's cases (zoo_matrix.run_case)."""
+    return str(tmp_path_factory.mktemp("zoo_matrix_inductor"))
+
+
+def _check(cid: str, cache: str) -> None:
     c = M.CASES[cid]
     seed = seed_base()
     print(f"{cid}: seed {seed}")  # shown with a failure's captured output
-    res = run_ranks(M.run_case, c.world, vars(c), seed, str(tmp_path), timeout=c.timeout,
+    res = run_ranks(M.run_case, c.world, vars(c), seed, cache, timeout=c.timeout,
                     env={"TORCH_CE_BIND_ARRIVAL_TIMEOUT_S": str(c.timeout // 2)})
     bad = M.shape_checks(c, res[0]["placements"]) + M.failures(c, res)
     if bad:
@@ -53,13 +59,13 @@ def _check(cid: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("cid", [_param(i, slow=False) for i in M.DEFAULT])
-def test_zoo_case(cid, tmp_path):
-    _check(cid, tmp_path)
+def test_zoo_case(cid, kernel_cache):
+    _check(cid, kernel_cache)
 
 
 @pytest.mark.parametrize("cid", [_param(i, slow=True) for i in M.CASES if i not in M.DEFAULT])
-def test_zoo_case_full_matrix(cid, tmp_path):
-    _check(cid, tmp_path)
+def test_zoo_case_full_matrix(cid, kernel_cache):
+    _check(cid, kernel_cache)
 
 
 def test_needs_rules():

@@ -73,9 +73,11 @@ class Case:
     @property
     def timeout(self) -> int:
         """Seconds for the whole case (both runs) before the harness dumps stacks and kills:
-        a hang, not slowness (measured: <= ~1/3 of it on 2 shared cores)."""
-        base = 240 if self.phase == "infer" else 360
-        return base + 60 * (self.world - 2) + (60 if self.family in MOE_FAMILIES else 0)
+        meant to catch a hang, not slowness. Compiling dominates a case on CPU (Dynamo,
+        Inductor's C++ kernels): ~100 s for a 2-rank inference case on 2 idle cores, 3-4x
+        that when the cores are shared, hence the margin."""
+        base = 480 if self.phase == "infer" else 720
+        return base + 90 * (self.world - 2) + (120 if self.family in MOE_FAMILIES else 0)
 
     @property
     def needs(self) -> frozenset:
@@ -296,33 +298,57 @@ def coverage(census: GatherCensus | None) -> dict:
 # ---------------------------------------------------------------------------------------
 
 
-def _one_run(c: Case, pdims, batches, seed: int) -> tuple[list, dict]:
+def _one_run(c: Case, pdims, batches, seed: int, label: str) -> tuple[list, dict]:
     """Build, compile and run ``c`` once: inference logits per call, or training losses;
     and the model's parameter placements."""
     import zoo_models as zm
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     net = zm.build(c.family, pdims, c.param_dtype, train=c.phase == "train", seed=seed,
                    d=zm.Dims(experts=c.experts))
     compiled = torch.compile(net)
     out = []
     if c.phase == "infer":
         with torch.no_grad():
-            for b in batches:
+            for i, b in enumerate(batches):
                 out.append(compiled(b[:, :-1]))
+                _progress(f"{label}: call {i} done")
         return out, zm.placements(net)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
-    for b in batches:
+    for i, b in enumerate(batches):
         loss = zm.next_token_loss(compiled(b[:, :-1]), b)
+        _progress(f"{label}: step {i} forward done")
         loss.backward()
         opt.step()
         opt.zero_grad()
         out.append(loss.detach())
+        _progress(f"{label}: step {i} done")
     return out, zm.placements(net)
 
 
+_T0 = [0.0]
+
+
+def _progress(msg: str) -> None:
+    """One line per call / step on stderr (the report's case log; pytest shows it with
+    -s): where a slow or hung case got to, and how many graphs Dynamo compiled so far."""
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    print(f"[rank {dist.get_rank()} +{time.monotonic() - _T0[0]:.0f}s] {msg} ({graphs} graph(s) compiled)",
+          file=sys.stderr, flush=True)
+
+
 def run_case(rank: int, world: int, case: dict, seed: int, cache: str) -> dict:
-    """One case on one rank (module docstring): both runs, outputs and coverage."""
+    """One case on one rank (module docstring): both runs, outputs and coverage.
+
+    ``cache``: the root of this rank's Inductor cache (mp_harness.setup_compile), shared by
+    the cases of one session: compiled kernels are content-addressed and reused, compiled
+    graphs never are (no FX graph cache), so torch_ce's passes run in every case."""
     from mp_harness import setup_compile
 
     setup_compile(cache, rank)
@@ -334,12 +360,15 @@ def run_case(rank: int, world: int, case: dict, seed: int, cache: str) -> dict:
     pdims = zm.parallel_dims(world, c.mode, c.ep)
     n = INFER_CALLS if c.phase == "infer" else TRAIN_STEPS
     batches = [zm.tokens(zm.Dims().vocab, BATCH, SEQ, seed + 7919 * rank + i) for i in range(n)]
-    ref, _ = _one_run(c, pdims, batches, seed)
+    import time
+
+    _T0[0] = time.monotonic()
+    ref, _ = _one_run(c, pdims, batches, seed, "plain")
     report.clear()
     torch_ce.enable(transport="copy_engine")
     try:
         with GatherCensus() as census:
-            ce, placements = _one_run(c, pdims, batches, seed)
+            ce, placements = _one_run(c, pdims, batches, seed, "torch_ce")
     finally:
         torch_ce.disable()
     return dict(ref=ref, ce=ce, coverage=coverage(census), table=torch_ce.explain().table(),

@@ -37,12 +37,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zoo_matrix as M  # noqa: E402
 
 MARGIN_S = 90  # process start, imports, the harness's kill and stack dumps
-# Frames of a rank waiting on its peers (a hang, not slowness).
-WAITING = re.compile(r"all_gather|reduce_scatter|all_to_all|wait_tensor|barrier|_exchange|agree|"
-                     r"store\.(get|wait)|recv|broadcast|all_reduce|bind")
+# The innermost frames of a rank waiting on its peers (a hang, not slowness): a collective,
+# a wait on one, the store (bind exchanges), a barrier.
+WAITING = re.compile(r"distributed_c10d|_functional_collectives|_c10d_functional|wait_tensor|"
+                     r"torch_ce/runtime/agreement|torch_ce/_net|store|barrier|gloo")
+INNERMOST = 4  # frames per rank that decide
 
 
-def run_one(case_id: str, json_path: str) -> int:
+def run_one(case_id: str, json_path: str, cache: str) -> int:
     """Child mode: run one case on its ranks, write its result, exit 0 if it passes."""
     import pytest
 
@@ -53,9 +55,8 @@ def run_one(case_id: str, json_path: str) -> int:
     out = dict(case=case_id, seed=seed)
     t0 = time.monotonic()
     try:
-        with tempfile.TemporaryDirectory(prefix="zoo_matrix_") as cache:
-            res = run_ranks(M.run_case, c.world, vars(c), seed, cache, timeout=c.timeout,
-                            env={"TORCH_CE_BIND_ARRIVAL_TIMEOUT_S": str(c.timeout // 2)})
+        res = run_ranks(M.run_case, c.world, vars(c), seed, cache, timeout=c.timeout,
+                        env={"TORCH_CE_BIND_ARRIVAL_TIMEOUT_S": str(c.timeout // 2)})
         bad = M.failures(c, res) + M.shape_checks(c, res[0]["placements"])
         shares = [r["coverage"]["total"]["share"] for r in res]
         out.update(status="pass" if not bad else "fail", problems=bad,
@@ -71,12 +72,20 @@ def run_one(case_id: str, json_path: str) -> int:
 
 
 def _classify(result: dict | None, log: str, rc: int | None) -> str:
+    """pass / fail from the child's result; a harness timeout is a hang when every rank
+    still running sits in a wait on its peers (its innermost frames), else a timeout."""
     if result is None:
         return "timeout" if rc is None else "fail"
     if result["status"] != "timed_out":
         return result["status"]
-    stacks = log.split("still running: its stacks", 1)[-1]
-    return "hang" if WAITING.search(stacks) else "timeout"
+    blocks = log.split("still running: its stacks ----")[1:]
+    if not blocks:
+        return "timeout"
+    for b in blocks:
+        frames = [ln for ln in b.splitlines() if ln.strip().startswith("File ")][:INNERMOST]
+        if not any(WAITING.search(f) for f in frames):
+            return "timeout"
+    return "hang"
 
 
 def _first_problem(result: dict | None, log: str) -> str:
@@ -94,13 +103,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
+    ap.add_argument("--cache", help=argparse.SUPPRESS)
     ap.add_argument("-k", action="append", default=[], help="run only ids containing this (repeatable: all)")
     ap.add_argument("--default", action="store_true", help="only the default CI subset")
     ap.add_argument("--list", action="store_true", help="list the case ids and exit")
     ap.add_argument("--out", help="keep logs and results here")
     a = ap.parse_args(argv)
     if a.case:
-        return run_one(a.case, a.json)
+        return run_one(a.case, a.json, a.cache)
     ids = list(M.DEFAULT) if a.default else list(M.CASES)
     ids = [i for i in ids if all(k in i for k in a.k)]
     if a.list:
@@ -109,6 +119,7 @@ def main(argv=None) -> int:
         return 0
     out = a.out or tempfile.mkdtemp(prefix="zoo_matrix_report_")
     os.makedirs(out, exist_ok=True)
+    cache = os.path.join(out, "inductor")  # per rank, shared by the cases (M.run_case)
     rows = []
     head = f"{'case':<44} {'status':<8} {'CE share':>9} {'wall s':>7}  {'needs (today)':<20} first problem"
     print(head, flush=True)
@@ -121,7 +132,8 @@ def main(argv=None) -> int:
         rc = None
         with open(lpath, "w") as log:
             # A session of its own: on our timeout the child and its ranks go together.
-            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--case", cid, "--json", jpath],
+            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--case", cid, "--json", jpath,
+                                  "--cache", cache],
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 rc = p.wait(timeout=c.timeout + MARGIN_S)

@@ -6,7 +6,8 @@ call), with CPU-sized dims:
 
 - ``llama3``, ``qwen3``: dense decoders (GQA, fused QKV).
 - ``qwen3_moe``: Qwen3's MoE layers (softmax router, no shared experts).
-- ``deepseek_v3``: MLA attention, one dense layer then MoE layers with a shared expert.
+- ``deepseek_v3``: MLA attention, MoE with a shared expert (dense-FFN blocks first when
+  there is more than one block).
 
 Every layer's ``inner_attention`` is the zoo's ``ScaledDotProductAttention`` (causal,
 no masks), as graph_trainer's own tests do (``build_decoder_config_for_backend``,
@@ -45,9 +46,12 @@ MOE = ("qwen3_moe", "deepseek_v3")
 @dataclasses.dataclass(frozen=True)
 class Dims:
     """CPU-sized shapes. ``dim`` 64 and ``vocab`` 256 are even on 2 and 4 ranks and
-    uneven on 3 (64 = 22 + 21 + 21 rows: the shard torch.chunk makes short is the last)."""
+    uneven on 3 (64 = 22 + 21 + 21 rows: the shard torch.chunk makes short is the last).
+    One block by default: it holds every kind of weight its family has (a second block
+    only repeats them, and doubles Dynamo's tracing, the largest cost of a case on CPU);
+    DeepSeek-V3's first ``layers - 1`` blocks are its dense-FFN ones, the last an MoE."""
 
-    layers: int = 2
+    layers: int = 1
     dim: int = 64
     vocab: int = 256
     ffn: int = 128
@@ -115,7 +119,7 @@ def model_config(family: str, d: Dims = Dims()):
 
         rope_dim = 8
         layers = pkg._build_dsv3_layers(
-            n_layers=d.layers, n_dense_layers=1, dim=d.dim, n_heads=d.heads, q_lora_rank=0,
+            n_layers=d.layers, n_dense_layers=d.layers - 1, dim=d.dim, n_heads=d.heads, q_lora_rank=0,
             kv_lora_rank=32, qk_nope_head_dim=head_dim, qk_rope_head_dim=rope_dim, v_head_dim=head_dim,
             mscale=0.70, dense_hidden_dim=d.ffn, moe_hidden_dim=d.moe_ffn, num_experts=d.experts,
             num_shared_experts=1, router_top_k=d.top_k, router_score_func="softmax",
