@@ -71,24 +71,58 @@ def run_one(case_id: str, json_path: str, cache: str) -> int:
     return 0 if out["status"] == "pass" else 1
 
 
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+# A generated graph's line that waits on peers (the rank's innermost generated-code frame).
+_COLLECTIVE_LINE = re.compile(r"_c10d_functional\.|torch\.ops\.magi\.|wait_tensor")
+
+
+def waits(log: str) -> list[str] | None:
+    """Per rank the harness dumped: what it waits in ("rank 0: <the generated line>"), or
+    None if some rank is not waiting on its peers (compiling, computing: slowness).
+
+    A rank waits when one of its innermost frames is in torch.distributed, the store or
+    a bind exchange, or when its innermost frame in Inductor's generated code is a
+    collective or a wait (the line is read from the cache file, which outlives the run)."""
+    out = []
+    for b in log.split("still running: its stacks ----")[1:]:
+        rank = re.search(r"rank (\d+) \(pid", log[:log.find(b)].rsplit("----", 2)[-2] + "(pid")
+        frames = _FRAME.findall(b)
+        where = next((f"{path}:{line}" for path, line in frames[:INNERMOST] if WAITING.search(path)), None)
+        if where is None:
+            for path, line in frames:
+                if "/inductor_rank" in path or "torchinductor" in path:
+                    try:
+                        lines = open(path).read().splitlines()[:int(line)]
+                    except OSError:
+                        lines = [""]
+                    text = lines[-1].strip()
+                    if _COLLECTIVE_LINE.search(text):
+                        where = text
+                        m = re.search(r"wait_tensor\.default\((buf\d+)\)", text)
+                        made = [ln.strip() for ln in lines if m and ln.strip().startswith(f"{m.group(1)} = ")]
+                        if made:  # name the collective it waits for
+                            where = f"wait({made[-1]})"
+                    break
+        if where is None:
+            return None
+        out.append(f"rank {rank.group(1) if rank else '?'}: {where}")
+    return out or None
+
+
 def _classify(result: dict | None, log: str, rc: int | None) -> str:
     """pass / fail from the child's result; a harness timeout is a hang when every rank
-    still running sits in a wait on its peers (its innermost frames), else a timeout."""
+    still running waits on its peers (``waits``), else a timeout."""
     if result is None:
         return "timeout" if rc is None else "fail"
     if result["status"] != "timed_out":
         return result["status"]
-    blocks = log.split("still running: its stacks ----")[1:]
-    if not blocks:
-        return "timeout"
-    for b in blocks:
-        frames = [ln for ln in b.splitlines() if ln.strip().startswith("File ")][:INNERMOST]
-        if not any(WAITING.search(f) for f in frames):
-            return "timeout"
-    return "hang"
+    return "hang" if waits(log) else "timeout"
 
 
 def _first_problem(result: dict | None, log: str) -> str:
+    w = waits(log) if result and result.get("status") == "timed_out" else None
+    if w:  # the ranks' waits, deduplicated
+        return "; ".join(dict.fromkeys(x.split(": ", 1)[1] for x in w)) + f" ({len(w)} ranks)"
     if result and result.get("problems"):
         text = result["problems"][0]
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
