@@ -15,6 +15,11 @@ for a fix on today's main (``Case.needs``) is ``xfail(strict=False)``.
 
 Each case has a timeout (``Case.timeout``); on a hang the harness prints every rank's
 Python stacks before killing them (test/mp_harness.py).
+
+Cost: compiling dominates (two compiled runs per case, Dynamo and Inductor's C++ kernels;
+the kernels are shared by the cases of a session). Measured on the 2 shared cores (load
+15-25) of the development machine: 5-9 min a case, a 2-rank inference case ~100 s on
+lightly loaded cores.
 """
 from __future__ import annotations
 

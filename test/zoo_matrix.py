@@ -17,14 +17,17 @@ bit-identical (``torch.equal``) and ``coverage.total.share >= MIN_SHARE`` on eve
 ``Case.needs``: the helpers' fixes a case waits for on today's main (the hangs and
 refusals of the issue this matrix comes from). By default every case is asserted in full;
 with ``TORCH_CE_MATRIX_EXPECT_GAPS=1`` a case whose ``needs`` is not empty is an
-``xfail(strict=False)``. After merging a fix, its name leaves the sets below (or the
-``NEEDS`` rules) and its cases become plain asserts again.
+``xfail(strict=False)``. After merging a fix, run the matrix with that variable set: its
+cases XPASS; then delete the fix's lines in ``needs()`` and those cases are plain
+asserts again (``test_needs_rules`` pins the rules: update it with them).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
+import sys
+import time
 
 import torch
 
@@ -333,9 +336,6 @@ _T0 = [0.0]
 def _progress(msg: str) -> None:
     """One line per call / step on stderr (the report's case log; pytest shows it with
     -s): where a slow or hung case got to, and how many graphs Dynamo compiled so far."""
-    import sys
-    import time
-
     import torch.distributed as dist
 
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -360,8 +360,6 @@ def run_case(rank: int, world: int, case: dict, seed: int, cache: str) -> dict:
     pdims = zm.parallel_dims(world, c.mode, c.ep)
     n = INFER_CALLS if c.phase == "infer" else TRAIN_STEPS
     batches = [zm.tokens(zm.Dims().vocab, BATCH, SEQ, seed + 7919 * rank + i) for i in range(n)]
-    import time
-
     _T0[0] = time.monotonic()
     ref, _ = _one_run(c, pdims, batches, seed, "plain")
     report.clear()
