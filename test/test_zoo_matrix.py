@@ -29,10 +29,11 @@ import pytest
 
 pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
 
+import testenv  # noqa: E402
 import zoo_matrix as M  # noqa: E402
 from mp_harness import run_ranks, seed_base  # noqa: E402
 
-SLOW = os.environ.get("TORCH_CE_SLOW", "") not in ("", "0")
+SLOW = testenv.SLOW
 
 
 def _param(cid: str, slow: bool):

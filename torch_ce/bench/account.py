@@ -35,7 +35,8 @@ import bisect
 
 from .trace import merge_intervals, overlap_length, union_length
 
-GATHER_OPS = ("magi::ce_all_gather", "magi::ce_all_gather_coalesced",
+GATHER_OPS = ("magi::ce_all_gather", "magi::ce_all_gather_coalesced", "magi::ce_all_gather_dim",
+              "magi::ce_all_gather_padded",
               "_c10d_functional::all_gather_into_tensor",
               "_c10d_functional::all_gather_into_tensor_out",
               "_c10d_functional::all_gather_into_tensor_coalesced")

@@ -97,7 +97,7 @@ def model_input(a: dict, T: int, dev, seed: int):
     return torch.randn(1, T, a["dim"], dtype=torch.bfloat16, device=dev, generator=g)
 
 
-_GATHER_CALL = re.compile(r"torch\.ops\.(?:magi\.ce_all_gather(?:_coalesced)?|_c10d_functional\."
+_GATHER_CALL = re.compile(r"torch\.ops\.(?:magi\.ce_all_gather(?:_coalesced|_dim|_padded)?|_c10d_functional\."
                           r"all_gather_into_tensor\w*)\.default\((\[[^\]]*\]|\w+)")
 
 
@@ -108,7 +108,7 @@ def gather_args(code: str) -> list[list[str]]:
 
 
 _CALLS = dict(
-    code_magi_ce_all_gather_calls=r"magi\.ce_all_gather(?:_coalesced)?\.default\(",
+    code_magi_ce_all_gather_calls=r"magi\.ce_all_gather(?:_coalesced|_dim|_padded)?\.default\(",
     code_magi_ce_bind_calls=r"magi\.ce_bind\.default\(",
     code_nccl_all_gather_calls=r"_c10d_functional\.all_gather_into_tensor\w*\.default\(",
 )
