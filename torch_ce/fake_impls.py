@@ -18,8 +18,14 @@ def _ce_all_gather_coalesced_fake(shards, group_size: int, group_name: str):
     return [s.new_empty((group_size * s.shape[0], *s.shape[1:])) for s in shards]
 
 
+@torch.library.register_fake("magi::ce_all_gather_padded")
+def _ce_all_gather_padded_fake(shard: torch.Tensor, rows: int, group_size: int, group_name: str):
+    # The same shape on every rank, whatever this rank's shard holds (uneven Shard(0)).
+    return shard.new_empty((group_size * rows, *shard.shape[1:]))
+
+
 @torch.library.register_fake("magi::ce_bind")
-def _ce_bind_fake(shards, group_sizes, group_names, names, reasons) -> None:
+def _ce_bind_fake(shards, group_sizes, group_names, names, reasons, rows=()) -> None:
     return None
 
 
@@ -34,10 +40,11 @@ def _ce_gather_rows_fake(shard: torch.Tensor, ids: torch.Tensor, group_size: int
 
 
 @torch.library.register_fake("magi::ce_stage")
-def _ce_stage_fake(params, dtypes, group_sizes, group_names, names, reasons, refresh) -> None:
+def _ce_stage_fake(params, dtypes, group_sizes, group_names, names, reasons, refresh, rows=(),
+                   static=False) -> None:
     return None
 
 
 @torch.library.register_fake("magi::ce_staged")
-def _ce_staged_fake(params, dtypes, group_names):
+def _ce_staged_fake(params, dtypes, group_names, static=False):
     return [p.new_empty(p.shape, dtype=getattr(torch, d)) for p, d in zip(params, dtypes)]

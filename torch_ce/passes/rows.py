@@ -52,6 +52,10 @@ _OTHER_READ = Refusal(Reason.ROWS_OTHER_READ,
                       "embedding lookup (e.g. a tied LM head)")
 _MAX_NORM = Refusal(Reason.ROWS_MAX_NORM,
                     "full gather: embedding max_norm renormalizes the gathered weight in place")
+_UNEVEN = Refusal(Reason.ROWS_UNEVEN,
+                  "full gather: an uneven Shard(0) table (its lookups read the gathered rows "
+                  "through a slice; row gathers need the even layout)")
+_CAST = Refusal(Reason.ROWS_CAST, "full gather: the table is gathered from a cast slot")
 
 
 @dataclasses.dataclass
@@ -103,9 +107,20 @@ def find(seeds: list[Seed]) -> list[RowWeight]:
     by_weight: dict[fx.Node, RowWeight] = {}
     for s in seeds:
         if s.eligible:  # eligible: the gather input is the placeholder, with one wait
-            by_weight.setdefault(s.shard, RowWeight(s.shard, [])).seeds.append(s)
+            key = s.weight if s.weight is not None else s.shard
+            by_weight.setdefault(key, RowWeight(key, [])).seeds.append(s)
     out = []
     for rw in by_weight.values():
+        # Decided from graph facts every rank shares (the slice after an uneven gather's
+        # wait is on every rank; the cast too), so every rank keeps the same full gathers.
+        odd = next((_UNEVEN if s.padded_rows else _CAST for s in rw.seeds
+                    if s.padded_rows or s.cast_slot), None)
+        if odd is not None:
+            if any(u.op == "call_function" and u.target is aten.embedding.default
+                   for s in rw.seeds for u in _readers(s.wait)):
+                rw.reason = odd
+                out.append(rw)
+            continue
         renorm = False
         for s in rw.seeds:
             for u in s.wait.users:
@@ -119,6 +134,16 @@ def find(seeds: list[Seed]) -> list[RowWeight]:
             rw.reason = _MAX_NORM
         if rw.lookups or renorm:
             out.append(rw)
+    return out
+
+
+def _readers(wait: fx.Node) -> list[fx.Node]:
+    """The wait's users, and the users of its row slices (an uneven table's lookups)."""
+    out = []
+    for u in wait.users:
+        out.append(u)
+        if u.op == "call_function" and u.target in (aten.slice.Tensor, aten.narrow.default):
+            out.extend(u.users)
     return out
 
 

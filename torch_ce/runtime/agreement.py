@@ -126,7 +126,9 @@ def descriptor(c) -> list:
     if t is None:
         return [ranks, None, None, None, code or 99, text or "ineligible"]
     dtype = getattr(c, "stage_dtype", None) or t.dtype  # a staging slot's dtype (training)
-    return [ranks, list(t.shape), str(dtype), t.device.type, code, text]
+    # A padded slot's shape (uneven Shard(0)): the same on every rank, whatever its shard.
+    shape = getattr(c, "slot_shape", None) or tuple(t.shape)
+    return [ranks, list(shape), str(dtype), t.device.type, code, text]
 
 
 def agree(cands: list, mine: list, everyone: dict[int, list]) -> list:

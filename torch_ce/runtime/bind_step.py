@@ -27,13 +27,21 @@ _done: set = set()
 W.on_release(_done.clear)
 
 
-def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None:
+def _resolved(t, rows: int):
+    if rows:  # NOTE [uneven Shard(0): padded slots] in windows.py
+        hit = W.padded(t)
+        return hit[0] if isinstance(hit, tuple) else hit
+    return W.lookup(t)
+
+
+def run_bind_step(shards, group_sizes, group_names, names, reasons=None, rows=()) -> None:
     if not shards:
         return
+    rows = list(rows) or [0] * len(shards)
     key = (tuple(names), shards[0].data_ptr())
     if key in _done:
         return
-    if all(W.lookup(s) is not None for s in shards):
+    if all(_resolved(s, r) is not None for s, r in zip(shards, rows)):
         _remember(key, shards[0])
         return
     from ..config import config
@@ -43,7 +51,7 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
     resolve = torch._C._distributed_c10d._resolve_process_group
     cands = []
     reasons = reasons or [""] * len(shards)
-    for t, gs, gname, name, why in zip(shards, group_sizes, group_names, names, reasons):
+    for t, gs, gname, name, why, nrows in zip(shards, group_sizes, group_names, names, reasons, rows):
         try:
             pg = resolve(gname)
         except RuntimeError as e:
@@ -53,10 +61,10 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
                 "created). Run compiled graphs before destroying their process groups."
             ) from e
         # A compile-time refusal still takes part in the agreement (as refused).
-        reason = refusal(Reason.OTHER, why) if why else local_reason(t, pg)
+        reason = refusal(Reason.OTHER, why) if why else local_reason(t, pg, rows=nrows)
         if reason is None and pg.size() != gs:
             reason = refusal(Reason.GROUP_SIZE_MISMATCH, f"group size {pg.size()} != gather group size {gs}")
-        cands.append(Candidate(name, t, pg, reason))
+        cands.append(Candidate(name, t, pg, reason, rows=nrows))
     res = bind_candidates(cands)
     from .. import report
 
