@@ -34,6 +34,13 @@ def weight_chain(gather: fx.Node) -> list[fx.Node] | None:
     """(casts..., gather, wait) of a gather whose input is a graph input, possibly cast;
     None for anything else (an activation, a gather of a gather)."""
     chain, x = [gather], gather.args[0]
+    from .gate import _end_pad
+
+    if _end_pad(x) is not None:
+        # An uneven Shard(0) short rank's pad: part of its chain, so that it recomputes the
+        # same gathers as the ranks without one (NOTE [uneven Shard(0): padded slots]).
+        chain.insert(0, x)
+        x = x.args[0]
     while isinstance(x, fx.Node) and x.op == "call_function" and x.target in _CASTS:
         if len(x.users) != 1:
             return None
