@@ -360,3 +360,22 @@ def test_uneven_training(tmp_path, reshard, dtype_name):
         if reshard:
             assert r["padded"][-1] > 0, (what, r["padded"])
     assert (0, 10) in res[2]["shards"], "the head's shard on rank 2 should be empty"
+
+
+def test_padded_op_opcheck_and_fake_shape():
+    """The padded op's schema, fake impl and autograd registration (group of one: no
+    binding, no process group); the fake output has the padded shape whatever the shard."""
+    from torch.library import opcheck
+
+    import torch_ce  # noqa: F401  (registers the ops)
+
+    op = torch.ops.magi.ce_all_gather_padded.default
+    for shard in (torch.randn(2, 3), torch.randn(0, 3), torch.randn(3, 3)):
+        opcheck(op, (shard, 3, 1, "0"))
+        out = op(shard, 3, 1, "0")
+        assert out.shape == (3, 3) and torch.equal(out[: shard.shape[0]], shard)
+        assert not out[shard.shape[0]:].any()  # the padding is zeros
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert op(torch.empty(0, 5), 4, 3, "0").shape == (12, 5)
