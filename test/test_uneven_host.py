@@ -10,8 +10,8 @@ torch_ce/runtime/staging.py what an inference graph's cast gathers read.
 - ``test_uneven_inference``: a SimpleFSDP-style model of uneven weights (one of them empty
   on the last rank, one an embedding table) is bound in place and gathered on the copy
   engines, every weight, the outputs bit-identical to the plain compiled run; the graphs
-  after our passes are the same on every rank; the embedding stays a full gather, with
-  its reason, on every rank.
+  after our passes are the same on every rank; the uneven table's lookups are row
+  gathers from its padded slots.
 - ``test_cast_slots_inference``: the same weights in fp32 under a bf16 ``param_dtype``:
   every gather reads a cast slot, exact; the bind record states the slots' bytes;
   ``cast_slots=False`` keeps them on the collective ("cast before gather"); an in-place
@@ -142,6 +142,7 @@ def _rank_inference(rank, world, seed, cache):
         shards=[tuple(getattr(model, n).parametrizations.weight.original._local_tensor.shape)
                 for n in ("emb", "a", "b", "c")],
         padded_calls=code.count(PADDED_CALL),
+        rows_calls=code.count("torch.ops.magi.ce_gather_rows.default("),
         gloo_calls=code.count(GLOO_CALL),
         bound=sorted(b["param"] for b in rec.bound),
         refused=[r["reason"] for r in rec.refused],
@@ -186,10 +187,10 @@ def test_uneven_inference(inference):
         assert r["bound"] == ["a.weight", "b.weight", "c.weight", "emb.weight"], (rank, r["bound"])
         assert r["lookups"] == dict(emb="Slot", a="Slot", b="Slot", c="Slot"), (rank, r["lookups"])
         assert r["gloo_calls"] == 0, f"rank {rank}: a gather stayed on gloo"
-        assert r["padded_calls"] == 4, f"rank {rank}: {r['padded_calls']} padded gathers"
+        assert r["padded_calls"] == 3, f"rank {rank}: {r['padded_calls']} padded gathers"
         assert all(st == "bound" for _, st in r["explained"]), (rank, r["explained"])
-        # The table is read through the slice after its gather: gathered in full, on every rank.
-        assert r["rows"] and "uneven" in r["rows"][0][1], (rank, r["rows"])
+        # The uneven table: its lookups read just their rows, from the padded slots.
+        assert r["rows"] == [("emb.weight", "")] and r["rows_calls"] == 1, (rank, r["rows"], r["rows_calls"])
     assert inference[2]["shards"][2] == (0, 5), "rank 2's shard of b should be empty"
     assert inference[0]["graph"] == inference[1]["graph"] == inference[2]["graph"], \
         "the graphs after the passes differ across ranks"
@@ -253,14 +254,14 @@ def test_cast_slots_inference(cast):
         assert r["refused"] == [], (rank, r["refused"])
         assert r["cast"] == [("a.weight", "bfloat16"), ("b.weight", "bfloat16"),
                              ("c.weight", "bfloat16"), ("emb.weight", None)], (rank, r["cast"])
-        assert r["gloo_calls"] == 0 and r["padded_calls"] == 4, (rank, r["gloo_calls"], r["padded_calls"])
+        assert r["gloo_calls"] == 0 and r["padded_calls"] == 3, (rank, r["gloo_calls"], r["padded_calls"])
         assert r["cast_bytes"] == want, (rank, r["cast_bytes"], want)
         assert f"cast slots {want:,d} B" in r["table"], r["table"]
         # The switch: off, the casts stay on gloo (and the uneven table is still bound).
         assert r["off_exact"] == [True] * 3, rank
         assert len(r["off_refused"]) == 3 and all("cast before gather" in w for w in r["off_refused"]), \
             (rank, r["off_refused"])
-        assert r["off_padded"] == 1, (rank, r["off_padded"])
+        assert r["off_padded"] == 0, (rank, r["off_padded"])  # the table: a row gather
         assert "changed in place after its cast slot was made" in r["err"], (rank, r["err"])
 
 

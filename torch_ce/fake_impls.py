@@ -35,7 +35,8 @@ def _ce_prefetch_fake(shards, group_size: int, group_name: str) -> None:
 
 
 @torch.library.register_fake("magi::ce_gather_rows")
-def _ce_gather_rows_fake(shard: torch.Tensor, ids: torch.Tensor, group_size: int, group_name: str):
+def _ce_gather_rows_fake(shard: torch.Tensor, ids: torch.Tensor, group_size: int, group_name: str,
+                         padded_rows: int = 0, rows: int = 0):
     return shard.new_empty((*ids.shape, *shard.shape[1:]))
 
 

@@ -202,10 +202,14 @@ def ce_all_gather_padded(shard: torch.Tensor, rows: int, group_size: int, group_
     raise _unbound_error(shard, group_name, "ce_all_gather_padded")
 
 
-def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, group_name: str,
+                   padded_rows: int = 0, rows: int = 0) -> torch.Tensor:
     """Rows ``ids`` of the gathered table: read from their owners if ``shard`` is bound,
     else (refused by agreement: identically on every rank) the full collective gather and
-    ``embedding``. An unbound shard raises, as in ``gather``."""
+    ``embedding``. An unbound shard raises, as in ``gather``. ``padded_rows``: an uneven
+    table's padded slot (NOTE [uneven Shard(0): padded slots]) of a ``rows``-row table."""
+    if padded_rows:
+        return _gather_rows_padded(shard, ids, group_size, group_name, padded_rows, rows)
     if group_size == 1:
         entry = W.lookup(shard)
         if isinstance(entry, W.Slot):
@@ -218,6 +222,30 @@ def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, grou
         return gather_rows(shard, entry, ids)
     if isinstance(entry, W.Fallback):
         return torch.embedding(_collective_gather(shard, group_size, group_name, wait=True), ids)
+    raise _unbound_error(shard, group_name, "ce_gather_rows")
+
+
+def _gather_rows_padded(shard, ids, group_size, group_name, padded_rows, rows):
+    """Row r of an uneven table is on rank ``r // padded_rows`` (torch.chunk's layout):
+    the even row gather of the padded slots, with the table's own bounds."""
+    flat = ids.reshape(-1)
+    if ids.is_cuda:
+        torch._assert_async(((flat >= 0) & (flat < rows)).all(),
+                            "torch_ce: ce_gather_rows: index out of range")
+    elif flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
+        raise IndexError("index out of range in self")
+    if group_size > 1:
+        _check_live(group_name)
+    hit = W.padded(shard)
+    if isinstance(hit, tuple):
+        slot, full = hit
+        _check_group(slot, group_size, group_name)
+        return gather_rows(full, slot, ids)
+    if isinstance(hit, W.Fallback) or group_size == 1:
+        table = ce_all_gather_padded(shard, padded_rows, group_size, group_name)
+        if table.device.type != "cpu" and group_size > 1:
+            table = _FUNCTIONAL.wait_tensor(table)
+        return torch.embedding(table[:rows], ids)
     raise _unbound_error(shard, group_name, "ce_gather_rows")
 
 
@@ -259,7 +287,8 @@ _lib.define(
     "str[] reasons, bool refresh, int[] rows=[], bool static=False) -> ()"
 )
 _lib.define("ce_staged(Tensor[] params, str[] dtypes, str[] group_names, bool static=False) -> Tensor[]")
-_lib.define("ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_name) -> Tensor")
+_lib.define("ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_name, "
+            "int padded_rows=0, int rows=0) -> Tensor")
 _lib.define("ce_all_gather_padded(Tensor shard, int rows, int group_size, str group_name) -> Tensor")
 # The Python kernel under its own name: the C++ kernels hand it every bucket they do not
 # serve (NOTE [native gather path] in csrc/ce_torch.cpp). Never traced, so no fake impl.

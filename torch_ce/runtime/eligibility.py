@@ -47,7 +47,6 @@ class Reason(enum.IntEnum):
     # in full (passes/rows.py). Its gathers stay ordinary CE gathers.
     ROWS_OTHER_READ = 32
     ROWS_MAX_NORM = 33
-    ROWS_UNEVEN = 34
     ROWS_CAST = 35
     # Placement and process-group facts (bind only).
     PLACEMENT = 40
