@@ -7,7 +7,7 @@ way the bind registers it: the slot's full ``ceil``-row view as the bound tensor
 weight as a view of its first rows (none, for an empty shard), the rest zeros; then
 ``magi.ce_all_gather_padded`` must return exactly the concatenation of both ranks' full
 slots, i.e. the collective's gather of the zero-padded shards, whose first ``rows`` rows
-are the weight. A cast slot (NOTE [cast slots] in torch_ce/runtime/staging.py) is a
+are the weight; a row gather of an uneven table must equal ``embedding``. A cast slot (NOTE [cast slots] in torch_ce/runtime/staging.py) is a
 bf16 slot of an fp32 weight: ``magi.ce_staged(..., static=True)`` hands it to the
 gather, exact, and an in-place update of the weight afterwards raises.
 
@@ -106,6 +106,14 @@ def _rank_padded(rank, world):
         ))
     # The padded op is Python; it hands the full slot to the C++ gather (no per-peer copy_).
     res["counts"] = dict(py)
+    # A row gather of an uneven table (7 rows: 4 + 3, this rank the short one): the C++
+    # row kernel reads row r from rank r // 4.
+    slabs, counts, weight, _ = _padded_case(dev, gen, 7, 4, 1, (256,), torch.bfloat16)
+    shard = padded_loopback(slabs[1], slabs[0], g, 1, counts[1])
+    keep.append((slabs, shard))
+    ids = torch.randint(0, 7, (5, 9), device=dev)
+    rows = torch.ops.magi.ce_gather_rows(shard, ids, 2, g.group_name, 4, 7)
+    res["rows_exact"] = bool(torch.equal(rows.cpu(), torch.embedding(weight, ids.cpu())))
     return res
 
 
@@ -117,6 +125,7 @@ def test_padded_slabs_exact_on_loopback():
         assert c["shape"] and c["whole_exact"] and c["weight_exact"] and c["padding_zero"], c
     assert any(c["live"] == 0 for c in r["cases"]), "no empty shard was gathered"
     assert r["counts"] == {"native": len(PADDED), "torch": 0}, r
+    assert r["rows_exact"], r
 
 
 def _rank_cast(rank, world):
