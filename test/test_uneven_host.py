@@ -28,7 +28,7 @@ import torch
 from mp_harness import run_ranks, seed_base, setup_compile
 
 WORLD = 3
-TIMEOUT = 420
+TIMEOUT = 600  # catches hangs; 3 ranks compiling on 2 loaded cores take minutes
 # No calibration (seconds of timed gathers on 3 ranks sharing 2 cores); the reference runs
 # are compiled with the same settings.
 ENV = {"TORCH_CE_COST_MODE": "default", "TORCH_CE_BIND_ARRIVAL_TIMEOUT_S": "240"}
@@ -346,7 +346,10 @@ def _rank_train(rank, world, seed, cache, reshard, dtype_name):
     )
 
 
-@pytest.mark.parametrize("reshard,dtype_name", [(True, "bf16"), (False, "fp32")])
+# The default suite runs reshard on (bf16: the hang); off (fp32) is slow-marked
+# (~3 compiles of a forward and a backward per rank on 3 ranks).
+@pytest.mark.parametrize("reshard,dtype_name", [
+    (True, "bf16"), pytest.param(False, "fp32", marks=pytest.mark.slow)])
 def test_uneven_training(tmp_path, reshard, dtype_name):
     pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
     res = run_ranks(_rank_train, WORLD, seed_base(), str(tmp_path), reshard, dtype_name,
