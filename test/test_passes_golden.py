@@ -202,8 +202,9 @@ graph():
                 y = torch.distributed._functional_collectives.all_gather_tensor(x * 2, 0, dist.group.WORLD)
                 return s.tiny(x) + y[: x.shape[0], :2]
 
+        # cast_slots off: the cast stays a refusal here (cast slots: test_uneven_and_cast_slots).
         g = self.compile_and_run(Mixed(), torch.randn(4, 8), transport="copy_engine",
-                                 symm_min_shard_mib=100 / 2**20)
+                                 symm_min_shard_mib=100 / 2**20, cast_slots=False)
         self.assertExpectedInline(g, """\
 graph():
     %arg0_1 : [num_users=2] = placeholder[target=arg0_1]
@@ -215,12 +216,12 @@ graph():
     %arg6_1 : [num_users=0] = placeholder[target=arg6_1]
     %arg7_1 : [num_users=2] = placeholder[target=arg7_1]
     %arg8_1 : [num_users=0] = placeholder[target=arg8_1]
-    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg3_1, %arg5_1, %arg7_1], [2, 2, 2, 2], [0, 0, 0, 0], [ok.weight, uneven.weight, cast.weight, tiny.weight], [, 27|uneven Shard(0) (gathered rows are sliced), 24|cast before gather (store inference weights in the compute dtype), 8|shard below symm_min_shard_mib (32 B < 100 B)]), kwargs = {})
+    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg3_1, %arg5_1, %arg7_1], [2, 2, 2, 2], [0, 0, 0, 0], [ok.weight, uneven.weight, cast.weight, tiny.weight], [, , 24|cast before gather (store inference weights in the compute dtype), 8|shard below symm_min_shard_mib (32 B < 100 B)], [0, 5, 0, 0]), kwargs = {})
     %all_gather_into_tensor : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg0_1, 2, 0), kwargs = {})
     %wait_tensor : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor,), kwargs = {})
     %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor, [1, 0]), kwargs = {})
     %mm : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg2_1, %permute), kwargs = {})
-    %all_gather_into_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.all_gather_into_tensor.default](args = (%arg3_1, 2, 0), kwargs = {})
+    %all_gather_into_tensor_1 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather_padded.default](args = (%arg3_1, 5, 2, 0), kwargs = {})
     %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_1,), kwargs = {})
     %slice_1 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%wait_tensor_1, 0, 0, 9), kwargs = {})
     %permute_1 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%slice_1, [1, 0]), kwargs = {})
@@ -243,11 +244,70 @@ graph():
     %addmm_default : [num_users=1] = call_function[target=torch.ops.aten.addmm.default](args = (%slice_3, %convert_element_type_4, %permute_3), kwargs = {})
     return (addmm_default,)""")
         reasons = sorted(r["reason"] for r in report.graphs[-1].refused)
-        self.assertEqual(len(report.graphs[-1].bound), 1)
-        self.assertTrue(any("uneven" in r for r in reasons), reasons)
+        self.assertEqual(len(report.graphs[-1].bound), 2)  # ok, and uneven (a padded slot)
         self.assertTrue(any("cast before gather" in r for r in reasons), reasons)
         self.assertTrue(any("symm_min_shard_mib" in r for r in reasons), reasons)
         self.assertTrue(any("not directly a graph input" in r for r in reasons), reasons)
+
+    def test_uneven_and_cast_slots(self):
+        """An uneven Shard(0) gather becomes ``ce_all_gather_padded`` with the rows every
+        rank's slot holds (9 rows over 2: 5, the short rank's 4 padded to 5; this is rank 0,
+        which has no pad to drop), and the slice after the wait stays; an inference cast
+        gather reads a cast slot (``ce_stage`` with ``static``; ``ce_staged``)."""
+        mesh = self.mesh
+
+        class Uneven(nn.Module):
+            def __init__(s):
+                super().__init__()
+                s.uneven = nn.Linear(8, 9, bias=False)  # 9 rows over 2 ranks
+                s.one = nn.Linear(9, 1, bias=False)  # 1 row over 2: rank 1's shard is empty
+                s.cast = nn.Linear(1, 8, bias=False)
+                shard_weight(s.uneven, mesh)
+                shard_weight(s.one, mesh)
+                shard_weight(s.cast, mesh, cast=torch.bfloat16)
+
+            def forward(s, x):
+                return s.cast(s.one(s.uneven(x)).to(torch.bfloat16)).float()
+
+        g = self.compile_and_run(Uneven(), torch.randn(4, 8), transport="copy_engine")
+        self.assertExpectedInline(g, """\
+graph():
+    %arg0_1 : [num_users=2] = placeholder[target=arg0_1]
+    %arg1_1 : [num_users=0] = placeholder[target=arg1_1]
+    %arg2_1 : [num_users=1] = placeholder[target=arg2_1]
+    %arg3_1 : [num_users=2] = placeholder[target=arg3_1]
+    %arg4_1 : [num_users=0] = placeholder[target=arg4_1]
+    %arg5_1 : [num_users=2] = placeholder[target=arg5_1]
+    %arg6_1 : [num_users=0] = placeholder[target=arg6_1]
+    %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg3_1], [2, 2], [0, 0], [uneven.weight, one.weight], [, ], [5, 1]), kwargs = {})
+    %ce_stage_default : [num_users=0] = call_function[target=torch.ops.magi.ce_stage.default](args = ([%arg5_1], [bfloat16], [2], [0], [cast.weight], [], False, [0], True), kwargs = {})
+    %ce_staged_default : [num_users=1] = call_function[target=torch.ops.magi.ce_staged.default](args = ([%arg5_1], [bfloat16], [0], True), kwargs = {})
+    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%ce_staged_default, 0), kwargs = {})
+    %all_gather_into_tensor : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather_padded.default](args = (%arg0_1, 5, 2, 0), kwargs = {})
+    %wait_tensor : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor,), kwargs = {})
+    %slice_1 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%wait_tensor, 0, 0, 9), kwargs = {})
+    %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%slice_1, [1, 0]), kwargs = {})
+    %mm : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%arg2_1, %permute), kwargs = {})
+    %all_gather_into_tensor_1 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather_padded.default](args = (%arg3_1, 1, 2, 0), kwargs = {})
+    %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_1,), kwargs = {})
+    %slice_2 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%wait_tensor_1, 0, 0, 1), kwargs = {})
+    %permute_1 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%slice_2, [1, 0]), kwargs = {})
+    %mm_1 : [num_users=1] = call_function[target=torch.ops.aten.mm.default](args = (%mm, %permute_1), kwargs = {})
+    %convert_element_type : [num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%mm_1, torch.bfloat16), kwargs = {})
+    %all_gather_into_tensor_2 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%getitem, 2, 0), kwargs = {})
+    %wait_tensor_2 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_2,), kwargs = {})
+    %permute_2 : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%wait_tensor_2, [1, 0]), kwargs = {})
+    %convert_element_type_2 : [num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%convert_element_type, torch.float32), kwargs = {})
+    %convert_element_type_3 : [num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%permute_2, torch.float32), kwargs = {})
+    %mul : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%convert_element_type_2, %convert_element_type_3), kwargs = {})
+    %convert_element_type_4 : [num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%mul, torch.bfloat16), kwargs = {})
+    %convert_element_type_5 : [num_users=1] = call_function[target=torch.ops.prims.convert_element_type.default](args = (%convert_element_type_4, torch.float32), kwargs = {})
+    return (convert_element_type_5,)""")
+        rec = report.graphs[-1]
+        self.assertEqual(rec.refused, [])
+        self.assertEqual(sorted((b["param"], b["padded_rows"], b["cast_slot"]) for b in rec.bound),
+                         [("cast.weight", None, "bfloat16"), ("one.weight", 1, None),
+                          ("uneven.weight", 5, None)])
 
     def test_bucketing_splits_on_dtype_cap_and_bind_flag(self):
         mesh = self.mesh

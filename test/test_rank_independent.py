@@ -3,8 +3,9 @@
 - The reshard pass's serving decision (``gate.serving_refusal``) on hand-built joint
   graphs of one weight as each rank of 3 sees it (ranks 0-1: the shard gathered as is;
   rank 2: padded first, possibly from an empty shard): the same verdict and the same
-  recompute tags on every rank, also once an uneven Shard(0) is served (simulated here by
-  widening the output rule, as the uneven support does).
+  recompute tags on every rank, an uneven Shard(0) served (``gate.uneven_rows``) pad
+  included; an inference cast served exactly when ``config.cast_slots`` gives it a slot,
+  as the post-grad gate decides.
 - A refusal's code survives the trip through the compiled graph (eligibility.encode /
   decode), and the agreement's ``Descriptor`` survives JSON and is what ``agree`` compares.
 """
@@ -90,44 +91,52 @@ def test_uneven_and_empty_shards_decide_alike():
 def test_minimum_size_is_the_slot_not_the_local_shard():
     # 7 rows of 4 fp32 over 3: slots of 3 rows (48 B) on every rank, also the 1-row rank.
     cfg = Config(host_transport=True, symm_min_shard_mib=40 / 2**20)
-    widened = _served_uneven()
-    try:
-        verdicts = {_verdict(_joint(n, 7), cfg) for n in _shards(7)}
-        assert verdicts == {None}, verdicts
-        cfg = Config(host_transport=True, symm_min_shard_mib=60 / 2**20)
-        verdicts = {_verdict(_joint(n, 7), cfg) for n in _shards(7)}
-        assert verdicts == {Reason.BELOW_MIN_SIZE}, verdicts
-    finally:
-        widened()
-
-
-def _served_uneven():
-    """Widen the output rule as uneven Shard(0) support does; returns the undo."""
-    real = gate._output_reason
-
-    def output_reason(wait):
-        why = real(wait)
-        return None if why is not None and why.code == Reason.UNEVEN_SHARD else why
-
-    gate._output_reason = output_reason
-    return lambda: setattr(gate, "_output_reason", real)
+    verdicts = {_verdict(_joint(n, 7), cfg) for n in _shards(7)}
+    assert verdicts == {None}, verdicts
+    cfg = Config(host_transport=True, symm_min_shard_mib=60 / 2**20)
+    verdicts = {_verdict(_joint(n, 7), cfg) for n in _shards(7)}
+    assert verdicts == {Reason.BELOW_MIN_SIZE}, verdicts
 
 
 def test_served_uneven_is_tagged_on_every_rank_pad_included():
-    undo = _served_uneven()
-    try:
-        for rows in (7, 2):
-            per_rank = []
-            for n in _shards(rows):
-                g = _joint(n, rows)
-                assert _verdict(g, CFG) is None, (rows, n)
-                tags = _tags(g, CFG)
-                has_pad = any(x.target is aten.constant_pad_nd.default for x in g.nodes)
-                assert any("constant_pad" in t for t in tags) == has_pad, tags
-                per_rank.append(tuple(t for t in tags if "constant_pad" not in t))
-            assert len(set(per_rank)) == 1 and any("slice" in t for t in per_rank[0]), per_rank
-    finally:
-        undo()
+    for rows in (7, 2):
+        per_rank = []
+        for n in _shards(rows):
+            g = _joint(n, rows)
+            assert _verdict(g, CFG) is None, (rows, n)
+            tags = _tags(g, CFG)
+            has_pad = any(x.target is aten.constant_pad_nd.default for x in g.nodes)
+            assert any("constant_pad" in t for t in tags) == has_pad, tags
+            per_rank.append(tuple(t for t in tags if "constant_pad" not in t))
+        assert len(set(per_rank)) == 1 and any("slice" in t for t in per_rank[0]), per_rank
+
+
+def _gate_verdicts(g: fx.Graph, cfg: Config, is_inference: bool):
+    return [None if s.reason is None else s.reason.code for s in gate.gate(g, cfg, is_inference)]
+
+
+def test_serving_refusal_is_the_gates_verdict():
+    """Uneven (pad or not, empty shard included) and cast gathers, in training and in
+    inference with cast_slots on and off: serving_refusal says what the post-grad gate
+    says, on every rank alike."""
+    for cast in (False, True):
+        for training in (True, False):
+            for slots in (False, True):
+                cfg = Config(host_transport=True, training=True, cast_slots=slots)
+                for rows in (6, 7, 2):
+                    got = set()
+                    for n in _shards(rows):
+                        g = _joint(n, rows, cast=cast)
+                        ag = next(x for x in g.nodes if x.target is c10d.all_gather_into_tensor.default)
+                        why = gate.serving_refusal(ag, cfg, training=training,
+                                                   ph_index=gate._placeholder_index(g), mutated=set())
+                        [want] = _gate_verdicts(g, cfg, is_inference=not training)
+                        mine = None if why is None else why.code
+                        assert (mine is None) == (want is None), (cast, training, slots, rows, n, mine, want)
+                        got.add(mine)
+                    assert len(got) == 1, (cast, training, slots, rows, got)
+                    served = not cast or training or slots
+                    assert (got == {None}) == served, (cast, training, slots, rows, got)
 
 
 def test_refusal_codes_survive_the_graph():

@@ -10,7 +10,8 @@ functions below assert on what the ranks report. A second spawned run on 4 ranks
 real 2-D ``[Shard(0), Shard(0)]`` placement on a (2, 2) mesh.
 
 Each rank compiles into its own fresh Inductor cache dir with the FX graph cache off: the
-uneven Shard(0) case makes the graphs differ across ranks (DESIGN.md).
+uneven Shard(0) weight (eligible: padded slots) makes the post-grad graphs differ across
+ranks before the passes (only the short rank pads).
 """
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ from mp_harness import run_ranks, setup_compile
 TIMEOUT = 240
 
 # Substrings of the gate's reasons, per case, in the program order of the gathers of the
-# matrix model (see _Matrix.forward). "uneven" is rank-dependent: the long rank slices
-# after the gather, the short rank pads before it.
-MATRIX_ORDER = ["input", "uneven", "noncontig", "cast", "tiny", "act", "twice", "twice2"]
+# matrix model (see _Matrix.forward). "uneven" (5 + 4 rows: rank 1 pads) is bound (padded
+# slots) beside the control and "shard1" (NOTE [Shard(1) reads]); "cast" is refused because
+# the matrix runs with cast_slots off.
+MATRIX_ORDER = ["input", "noncontig", "cast", "tiny", "act", "twice", "twice2"]
+BOUND = ["ok", "shard1", "uneven"]
 EXPECTED = {
     "input": ["not a parameter"],
-    "uneven": ["uneven Shard(0)", "pad before gather"],  # rank 0 (5 rows), rank 1 (4 rows, padded)
     "noncontig": ["non-contiguous shard"],
     "cast": ["cast before gather"],
     "tiny": ["symm_min_shard_mib"],
@@ -38,7 +40,7 @@ EXPECTED = {
     "twice2": ["gather of a gathered tensor"],
 }
 # Weights whose gathers the bind step lists (refused ones too): Fallback after the run.
-WEIGHT_CASES = ["uneven", "noncontig", "cast", "tiny", "twice"]
+WEIGHT_CASES = ["noncontig", "cast", "tiny", "twice"]
 
 
 
@@ -117,7 +119,8 @@ def _matrix(rank, ws, mesh):
 
     n_graphs = len(report.graphs)
     # 100 B floor: every shard here is >= 128 B except ``tiny`` (32 B).
-    torch_ce.enable(transport="copy_engine", symm_min_shard_mib=100 / 2**20)
+    # cast_slots off: the cast case keeps its refusal (the switch; cast slots: test_uneven_host.py).
+    torch_ce.enable(transport="copy_engine", symm_min_shard_mib=100 / 2**20, cast_slots=False)
     compiled = torch.compile(model)
     with torch.no_grad():
         out0, codes = run_and_get_code(compiled, xs[0])
@@ -125,8 +128,11 @@ def _matrix(rank, ws, mesh):
     recs = report.graphs[n_graphs:]
     assert len(recs) == 1, f"expected one graph (no graph break), got {len(recs)}"
     rec = recs[0]
+    torch_ce.config.update(cast_slots=True)
     lookup = {n: type(W.lookup(getattr(model, n)._local_tensor)).__name__
               for n in ["ok", "shard1"] + WEIGHT_CASES}
+    hit = W.padded(model.uneven._local_tensor)
+    lookup["uneven"] = "Slot" if isinstance(hit, tuple) else type(hit).__name__
     return dict(
         reasons=[r["reason"] for r in rec.refused],
         bound=[b["name"] for b in rec.bound],
@@ -309,11 +315,11 @@ def matrix(tmp_path_factory):
 
 
 def test_matrix_reasons_in_program_order(matrix):
-    """Two gathers (``ok``, and ``shard1``: NOTE [Shard(1) reads]) are retargeted; every
-    other one is refused, in order."""
+    """Exactly the control, ``shard1`` (its re-split folded into the reads: NOTE [Shard(1)
+    reads]) and the uneven weight are retargeted; every other gather is refused, in order."""
     for rank, r in enumerate(matrix):
         m = r["matrix"]
-        assert len(m["bound"]) == 2, (rank, m["bound"])
+        assert len(m["bound"]) == len(BOUND), (rank, m["bound"])
         assert len(m["reasons"]) == len(MATRIX_ORDER), (rank, m["reasons"])
 
 
@@ -330,12 +336,12 @@ def test_refused_with_reason_and_exact(matrix, case):
         assert m["exact"][out_key] == [True, True], f"rank {rank}, case {case}: compiled != eager"
 
 
-def test_eligible_control_is_bound_and_exact(matrix):
+@pytest.mark.parametrize("case", BOUND)
+def test_eligible_control_is_bound_and_exact(matrix, case):
     for rank, r in enumerate(matrix):
         m = r["matrix"]
-        for case in ("ok", "shard1"):  # shard1: its re-split folded into the reads
-            assert m["lookup"][case] == "Slot", (rank, case, m["lookup"])
-            assert m["exact"][case] == [True, True], (rank, case)
+        assert m["lookup"][case] == "Slot", (rank, m["lookup"])
+        assert m["exact"][case] == [True, True], rank
 
 
 @pytest.mark.parametrize("case", WEIGHT_CASES)
@@ -346,7 +352,7 @@ def test_refused_weights_fall_back_at_run_time(matrix, case):
 
 
 def test_refused_gathers_stay_on_gloo_in_program_order(matrix):
-    """Two CE gathers (ok, shard1); every refused gather is a gloo all_gather_into_tensor;
+    """The CE gathers (BOUND); every refused gather is a gloo all_gather_into_tensor;
     the bind step comes before every collective (it issues collectives itself on its first
     run); and both ranks issue the same collective sequence."""
     seqs = []
@@ -355,7 +361,7 @@ def test_refused_gathers_stay_on_gloo_in_program_order(matrix):
         kinds = ["bind" if "ce_bind" in ln else "ce" if "magi.ce_all_gather" in ln else "gloo"
                  for ln in lines]
         assert kinds[0] == "bind" and kinds.count("bind") == 1, (rank, lines)
-        assert kinds.count("ce") == 2, (rank, lines)
+        assert kinds.count("ce") == len(BOUND), (rank, lines)
         assert kinds.count("gloo") == len(MATRIX_ORDER), (rank, lines)
         seqs.append(kinds)
     assert seqs[0] == seqs[1], seqs

@@ -66,6 +66,12 @@ class Config:
     # (FSDP's reshard after forward; passes/reshard.py). None: on with "copy_engine" and
     # training, off with "nccl" (set it True there too for a like-for-like baseline).
     reshard_after_forward: bool | None = None
+    # Inference graphs that cast a weight before gathering it (MixedPrecisionPolicy's
+    # param_dtype on fp32 weights) gather the cast from a cast slot: the param_dtype copy
+    # of the shard, made once at bind and never refreshed (NOTE [cast slots] in
+    # runtime/staging.py). It costs that copy's memory (explain(): cast_slot_bytes).
+    # False: such gathers stay on the collective ("cast before gather").
+    cast_slots: bool = True
 
     def validate(self) -> "Config":
         if self.transport not in TRANSPORTS:

@@ -198,7 +198,9 @@ class Explanation:
         for i, b in enumerate(self.binds):
             out.append(f"bind {i}: {len(b.bound)} moved into windows ({b.bytes_bound / 2**20:.2f} MiB), "
                        f"{len(b.already_bound)} already bound, {len(b.skipped)} skipped, "
-                       f"{b.windows_opened} window(s) opened")
+                       f"{b.windows_opened} window(s) opened"
+                       + (f", cast slots {getattr(b, 'cast_slot_bytes', 0):,d} B (param_dtype copies "
+                          "held beside the weights)" if getattr(b, "cast_slot_bytes", 0) else ""))
             for name, why in list(b.skipped.items())[:8]:
                 out.append(f"  skipped  {name}: {why}")
         for w in self.windows:

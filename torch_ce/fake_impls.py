@@ -25,8 +25,14 @@ def _ce_all_gather_dim_fake(shard: torch.Tensor, group_size: int, group_name: st
     return shard.new_empty(full)
 
 
+@torch.library.register_fake("magi::ce_all_gather_padded")
+def _ce_all_gather_padded_fake(shard: torch.Tensor, rows: int, group_size: int, group_name: str):
+    # The same shape on every rank, whatever this rank's shard holds (uneven Shard(0)).
+    return shard.new_empty((group_size * rows, *shard.shape[1:]))
+
+
 @torch.library.register_fake("magi::ce_bind")
-def _ce_bind_fake(shards, group_sizes, group_names, names, reasons) -> None:
+def _ce_bind_fake(shards, group_sizes, group_names, names, reasons, rows=()) -> None:
     return None
 
 
@@ -36,15 +42,17 @@ def _ce_prefetch_fake(shards, group_size: int, group_name: str) -> None:
 
 
 @torch.library.register_fake("magi::ce_gather_rows")
-def _ce_gather_rows_fake(shard: torch.Tensor, ids: torch.Tensor, group_size: int, group_name: str):
+def _ce_gather_rows_fake(shard: torch.Tensor, ids: torch.Tensor, group_size: int, group_name: str,
+                         padded_rows: int = 0, rows: int = 0):
     return shard.new_empty((*ids.shape, *shard.shape[1:]))
 
 
 @torch.library.register_fake("magi::ce_stage")
-def _ce_stage_fake(params, dtypes, group_sizes, group_names, names, reasons, refresh) -> None:
+def _ce_stage_fake(params, dtypes, group_sizes, group_names, names, reasons, refresh, rows=(),
+                   static=False) -> None:
     return None
 
 
 @torch.library.register_fake("magi::ce_staged")
-def _ce_staged_fake(params, dtypes, group_names):
+def _ce_staged_fake(params, dtypes, group_names, static=False):
     return [p.new_empty(p.shape, dtype=getattr(torch, d)) for p, d in zip(params, dtypes)]

@@ -27,7 +27,7 @@ def register_lowerings() -> None:
     if magi.ce_staged.default not in lowering.lowerings:
         lowering.register_lowering(magi.ce_staged.default, type_promotion_kind=None)(_staged_lowering)
     for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_all_gather_dim, magi.ce_bind,
-               magi.ce_prefetch, magi.ce_gather_rows, magi.ce_stage):
+               magi.ce_prefetch, magi.ce_gather_rows, magi.ce_stage, magi.ce_all_gather_padded):
         for overload in op.overloads():
             target = getattr(op, overload)
             if target not in lowering.lowerings:
@@ -74,9 +74,14 @@ def ce_launch_info(snode) -> tuple[int, int, str] | None:
     node = getattr(snode, "node", None)
     op = getattr(node, "op_overload", None)
     if op not in (magi.ce_all_gather.default, magi.ce_all_gather_coalesced.default,
-                  magi.ce_all_gather_dim.default, magi.ce_prefetch.default):
+                  magi.ce_all_gather_dim.default, magi.ce_prefetch.default,
+                  magi.ce_all_gather_padded.default):
         return None
     for origin in getattr(node, "origins", ()) or ():
+        if origin.target is op and op is magi.ce_all_gather_padded.default:
+            # (shard, rows, group_size, group_name): every rank reads rows-row slabs.
+            v, rows = origin.args[0].meta["val"], int(origin.args[1])
+            return rows * _row_numel(v) * v.element_size(), int(origin.args[2]), v.device.type
         if origin.target is op:
             shards = origin.args[0] if isinstance(origin.args[0], (list, tuple)) else [origin.args[0]]
             vals = [s.meta["val"] for s in shards]
@@ -85,3 +90,10 @@ def ce_launch_info(snode) -> tuple[int, int, str] | None:
     return None
 
 
+
+
+def _row_numel(v) -> int:
+    n = 1
+    for d in v.shape[1:]:
+        n *= int(d)
+    return n

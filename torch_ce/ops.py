@@ -24,6 +24,15 @@ intermediate. Strided one-sided reads; the output carries c10d work on CUDA like
 ``ce_all_gather``'s (wait_tensor). Refused by agreement: the collective, waited, then the
 re-split, on every rank.
 
+    magi::ce_all_gather_padded(Tensor shard, int rows, int group_size, str group_name) -> Tensor
+
+The gather of an uneven ``Shard(0)`` weight (NOTE [uneven Shard(0): padded slots] in
+runtime/windows.py): ``shard`` has at most ``rows`` rows (the short ranks' fewer, or none),
+``rows`` is the largest shard's (the same on every rank); the output is what the
+collective gathers of the shards zero-padded to ``rows``: ``group_size * rows`` rows, rank r's
+at row ``r * rows``, the padding past the weight's last row (the graph slices it off after
+the wait, as before). A refused weight is padded and gathered by the collective.
+
     magi::ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_name) -> Tensor
 
 ``embedding(full table, ids)`` without the full table (NOTE [row gathers] in
@@ -34,15 +43,18 @@ CPU the host transport's views. A shard whose binding was refused by agreement i
 in full by the collective and looked up, on every rank.
 
     magi::ce_bind(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names,
-                  str[] reasons) -> ()
+                  str[] reasons, int[] rows=[]) -> ()
 
 The bind step the compiler inserts at the head of a graph (NOTE [run-time bind] in
 runtime/bind_step.py). Declared as mutating its shards so Inductor keeps every read of them
 after it; it moves them into windows on its first run and costs one dict lookup after.
+``rows`` (given when some weight is an uneven Shard(0)): each shard's padded slot rows, 0
+for an even one.
 
     magi::ce_stage(Tensor(a!)[] params, str[] dtypes, int[] group_sizes, str[] group_names,
-                   str[] names, str[] reasons, bool refresh) -> ()
-    magi::ce_staged(Tensor[] params, str[] dtypes, str[] group_names) -> Tensor[]
+                   str[] names, str[] reasons, bool refresh, int[] rows=[],
+                   bool static=False) -> ()
+    magi::ce_staged(Tensor[] params, str[] dtypes, str[] group_names, bool static=False) -> Tensor[]
 
 The stage step the compiler inserts at the head of a training graph (NOTE [training:
 staged windows and step fences] in runtime/staging.py). ``ce_stage`` binds a staging slot
@@ -52,7 +64,9 @@ its weights (it writes none) so that Inductor keeps it even when this rank refus
 weight (the rank must still take part in the bind round its peers wait in) and orders
 ``ce_staged`` after it. ``ce_staged`` returns the slots of the weights the compile side
 found eligible (the gathers' inputs); a slot refused at run time comes back as a plain
-cast that the gather hands to the collective.
+cast that the gather hands to the collective. ``rows``: padded slots (uneven Shard(0));
+``static``: an inference graph's cast slots, made once and never refreshed (NOTE [cast
+slots] in runtime/staging.py).
 
     magi::ce_prefetch(Tensor(a!)[] shards, int group_size, str group_name) -> ()
 
@@ -199,10 +213,36 @@ def ce_all_gather_dim(shard: torch.Tensor, group_size: int, group_name: str, gat
     raise _unbound_error(shard, group_name, "ce_all_gather_dim")
 
 
-def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+def ce_all_gather_padded(shard: torch.Tensor, rows: int, group_size: int, group_name: str) -> torch.Tensor:
+    """``gather`` of the ``rows``-row padded slot that ``shard`` views the first rows of;
+    a refused shard zero-padded to ``rows`` and gathered by the collective."""
+    if group_size > 1:
+        _check_live(group_name)
+    hit = W.padded(shard)
+    if isinstance(hit, tuple):
+        slot, full = hit
+        if slot.shape[0] != rows:
+            raise RuntimeError(
+                f"torch_ce: magi::ce_all_gather_padded of {rows} rows got a shard bound into a "
+                f"slot of {slot.shape[0]} rows ({slot.name})")
+        return gather([full], group_size, group_name)[0]
+    if isinstance(hit, W.Fallback) or group_size == 1:
+        pad = [0, 0] * (shard.dim() - 1) + [0, rows - shard.shape[0]]
+        padded = torch.constant_pad_nd(shard, pad, 0.0)
+        if group_size == 1:
+            return padded.clone()
+        return _collective_gather(padded, group_size, group_name)
+    raise _unbound_error(shard, group_name, "ce_all_gather_padded")
+
+
+def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, group_name: str,
+                   padded_rows: int = 0, rows: int = 0) -> torch.Tensor:
     """Rows ``ids`` of the gathered table: read from their owners if ``shard`` is bound,
     else (refused by agreement: identically on every rank) the full collective gather and
-    ``embedding``. An unbound shard raises, as in ``gather``."""
+    ``embedding``. An unbound shard raises, as in ``gather``. ``padded_rows``: an uneven
+    table's padded slot (NOTE [uneven Shard(0): padded slots]) of a ``rows``-row table."""
+    if padded_rows:
+        return _gather_rows_padded(shard, ids, group_size, group_name, padded_rows, rows)
     if group_size == 1:
         entry = W.lookup(shard)
         if isinstance(entry, W.Slot):
@@ -218,26 +258,51 @@ def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, grou
     raise _unbound_error(shard, group_name, "ce_gather_rows")
 
 
-def ce_stage(params, dtypes, group_sizes, group_names, names, reasons, refresh) -> None:
+def _gather_rows_padded(shard, ids, group_size, group_name, padded_rows, rows):
+    """Row r of an uneven table is on rank ``r // padded_rows`` (torch.chunk's layout):
+    the even row gather of the padded slots, with the table's own bounds."""
+    flat = ids.reshape(-1)
+    if ids.is_cuda:
+        torch._assert_async(((flat >= 0) & (flat < rows)).all(),
+                            "torch_ce: ce_gather_rows: index out of range")
+    elif flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
+        raise IndexError("index out of range in self")
+    if group_size > 1:
+        _check_live(group_name)
+    hit = W.padded(shard)
+    if isinstance(hit, tuple):
+        slot, full = hit
+        _check_group(slot, group_size, group_name)
+        return gather_rows(full, slot, ids)
+    if isinstance(hit, W.Fallback) or group_size == 1:
+        table = ce_all_gather_padded(shard, padded_rows, group_size, group_name)
+        if table.device.type != "cpu" and group_size > 1:
+            table = _FUNCTIONAL.wait_tensor(table)
+        return torch.embedding(table[:rows], ids)
+    raise _unbound_error(shard, group_name, "ce_gather_rows")
+
+
+def ce_stage(params, dtypes, group_sizes, group_names, names, reasons, refresh, rows=(),
+             static=False) -> None:
     from .runtime.staging import run_stage_step
 
-    run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, refresh)
+    run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, refresh, rows, static)
 
 
-def ce_staged(params, dtypes, group_names) -> list[torch.Tensor]:
+def ce_staged(params, dtypes, group_names, static=False) -> list[torch.Tensor]:
     from .runtime.staging import staged_slots
 
-    return staged_slots(params, dtypes, group_names)
+    return staged_slots(params, dtypes, group_names, static)
 
 
 def ce_prefetch(shards: list[torch.Tensor], group_size: int, group_name: str) -> None:
     prefetch.prefetch(shards, group_size, group_name)
 
 
-def ce_bind(shards, group_sizes, group_names, names, reasons) -> None:
+def ce_bind(shards, group_sizes, group_names, names, reasons, rows=()) -> None:
     from .runtime.bind_step import run_bind_step
 
-    run_bind_step(shards, group_sizes, group_names, names, reasons)
+    run_bind_step(shards, group_sizes, group_names, names, reasons, rows)
 
 
 # Defined with torch.library.Library rather than custom_op: the dispatcher then calls the
@@ -247,16 +312,18 @@ _lib.define("ce_all_gather(Tensor shard, int group_size, str group_name) -> Tens
 _lib.define("ce_all_gather_coalesced(Tensor[] shards, int group_size, str group_name) -> Tensor[]")
 _lib.define(
     "ce_bind(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names, "
-    "str[] reasons) -> ()"
+    "str[] reasons, int[] rows=[]) -> ()"
 )
 _lib.define("ce_prefetch(Tensor(a!)[] shards, int group_size, str group_name) -> ()")
 _lib.define(
     "ce_stage(Tensor(a!)[] params, str[] dtypes, int[] group_sizes, str[] group_names, str[] names, "
-    "str[] reasons, bool refresh) -> ()"
+    "str[] reasons, bool refresh, int[] rows=[], bool static=False) -> ()"
 )
-_lib.define("ce_staged(Tensor[] params, str[] dtypes, str[] group_names) -> Tensor[]")
 _lib.define("ce_all_gather_dim(Tensor shard, int group_size, str group_name, int gather_dim) -> Tensor")
-_lib.define("ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_name) -> Tensor")
+_lib.define("ce_staged(Tensor[] params, str[] dtypes, str[] group_names, bool static=False) -> Tensor[]")
+_lib.define("ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_name, "
+            "int padded_rows=0, int rows=0) -> Tensor")
+_lib.define("ce_all_gather_padded(Tensor shard, int rows, int group_size, str group_name) -> Tensor")
 # The Python kernel under its own name: the C++ kernels hand it every bucket they do not
 # serve (NOTE [native gather path] in csrc/ce_torch.cpp). Never traced, so no fake impl.
 _private = torch.library.Library("torch_ce", "DEF")
@@ -273,6 +340,8 @@ for _key in ("CPU", "CUDA"):
     _lib.impl("ce_stage", ce_stage, _key)
     _lib.impl("ce_staged", ce_staged, _key)
     _lib.impl("ce_gather_rows", ce_gather_rows, _key)  # one per forward: Python is fine
+    # Python on CUDA too: it hands the padded slot's full view to the C++ gather.
+    _lib.impl("ce_all_gather_padded", ce_all_gather_padded, _key)
     if _key == "CUDA" and _native:
         continue  # the C++ kernels are registered for CUDA by the library itself
     _lib.impl("ce_all_gather", ce_all_gather, _key)

@@ -58,6 +58,11 @@ class BoundWeight(WeightRecord):
     # full (passes/rows.py); None otherwise.
     rows: dict | None = None
     staged: str | None = None  # a training graph's staging slot dtype; None: in place
+    # An inference graph's cast slot dtype (NOTE [cast slots] in runtime/staging.py).
+    cast_slot: str | None = None
+    # An uneven Shard(0): the rows of every rank's padded slot (NOTE [uneven Shard(0):
+    # padded slots] in runtime/windows.py); None: even.
+    padded_rows: int | None = None
 
 
 @dataclasses.dataclass

@@ -53,6 +53,8 @@ class Bucket:
 
 
 def _key(s: Seed) -> tuple:
+    if s.padded_rows:  # an uneven Shard(0) gather (magi.ce_all_gather_padded) stays single
+        return ("padded", id(s))
     return (s.group_size, s.group_name, str(s.shard.meta["val"].dtype))
 
 

@@ -6,12 +6,15 @@ valid across ranks. A gather is eligible when:
 
   * the graph is an inference graph, or a training graph with ``config.training`` (NOTE
     [training: staged windows and step fences] in runtime/staging.py);
-  * its input is exactly a parameter's local shard: a placeholder, no pad, no view; no cast
-    either in an inference graph (where the shard itself is bound), while a training graph
-    may cast it first (mixed precision: the cast is what its staging slot holds);
-  * it is a single even Shard(0) gather: its output is used as is (an uneven Shard(0) is
-    sliced after the wait; a 2-D placement is gathered again); or an even Shard(d), d >= 1,
-    whose re-split the rewrite folds into the reads (NOTE [Shard(1) reads]);
+  * its input is exactly a parameter's local shard: a placeholder, no view; a training
+    graph may cast it first (mixed precision: the cast is what its staging slot holds),
+    and so may an inference graph with ``config.cast_slots`` (NOTE [cast slots] in
+    runtime/staging.py);
+  * it is a single Shard(0) gather: its output is used as is (a 2-D placement is gathered
+    again), or, for an uneven Shard(0), sliced to the weight's rows after the wait, with
+    the short ranks' shards zero-padded before it (``uneven_rows``: NOTE [uneven Shard(0):
+    padded slots] in runtime/windows.py); or an even Shard(d), d >= 1, whose re-split the
+    rewrite folds into the reads (NOTE [Shard(1) reads]);
   * the shard is contiguous, static-shaped, on a device the transport serves, and at least
     ``symm_min_shard_mib`` large: ``shard_refusal`` (runtime/eligibility.py), the predicate
     the run-time bind applies to the live shard, so the two cannot disagree;
@@ -74,6 +77,12 @@ class Seed:
     # Shard(0) gather); for d >= 1, ``resplit`` is the cat that rebuilds the weight.
     gather_dim: int = 0
     resplit: fx.Node | None = None
+    # An uneven Shard(0) gather: the rows every rank's (padded) shard has, read from the
+    # gather's output shape (the same on every rank); the short ranks' pad node goes.
+    padded_rows: int = 0
+    pad: fx.Node | None = None  # this rank's pad before the gather (a short rank), if any
+    # An inference graph's cast gather served by a cast slot (never refreshed).
+    cast_slot: bool = False
 
     @property
     def eligible(self) -> bool:
@@ -235,6 +244,53 @@ def _input_reason(x: fx.Node, ph_index: dict[fx.Node, int]) -> Refusal:
                    "gather input is a view or copy of a graph input, not the shard itself")
 
 
+def _end_pad(x) -> fx.Node | None:
+    """``x`` if it is a zero ``constant_pad_nd`` that appends rows to dim 0 only (what
+    DTensor does to a short uneven Shard(0) shard before the gather), used only here."""
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _PAD_OPS
+            and len(x.users) == 1 and isinstance(x.args[0], fx.Node)):
+        return None
+    pad = list(x.args[1])
+    value = x.args[2] if len(x.args) > 2 else x.kwargs.get("value", 0.0)
+    val = x.args[0].meta.get("val")
+    if val is None or len(pad) != 2 * val.dim() or value != 0:
+        return None
+    if any(pad[:-1]) or pad[-1] <= 0:
+        return None
+    return x
+
+
+def uneven_rows(gather: fx.Node, wait: fx.Node | None, group_size: int) -> int:
+    """Rows per rank of an uneven Shard(0) gather (0: not one).
+
+    Decided from facts every rank shares: the gather's output has ``group_size * R`` rows
+    and every user of its wait slices dim 0 to fewer (the weight's rows, the padding past
+    them). The short ranks' pad before the gather is *not* asked: it exists only there, and
+    this decision (the reshard pass's too) must be the same on every rank."""
+    out = gather.meta.get("val")
+    if wait is None or out is None or not wait.users or group_size < 2:
+        return 0
+    try:
+        full = int(out.shape[0])
+    except Exception:
+        return 0
+    if full % group_size:
+        return 0
+    for u in wait.users:
+        if not (u.op == "call_function" and u.target in _SLICE_OPS and _truncates_rows(u, wait)
+                and _slice_from_zero(u)):
+            return 0
+    return full // group_size
+
+
+def _slice_from_zero(s: fx.Node) -> bool:
+    if s.target is aten.narrow.default:
+        return s.args[2] == 0
+    start = s.args[2] if len(s.args) > 2 else s.kwargs.get("start", 0)
+    step = s.args[4] if len(s.args) > 4 else s.kwargs.get("step", 1)
+    return start in (0, None) and step in (1, None)
+
+
 def _truncates_rows(s: fx.Node, wait: fx.Node) -> bool:
     """A dim-0 slice/narrow that drops gathered rows (a full-range slice is a no-op)."""
     dim = s.args[1] if len(s.args) > 1 else s.kwargs.get("dim", 0)
@@ -246,10 +302,13 @@ def _truncates_rows(s: fx.Node, wait: fx.Node) -> bool:
     return out.shape[0] != full.shape[0]
 
 
-def _output_reason(wait: fx.Node | None) -> Refusal | None:
-    """Why the gathered tensor is not used as is (an even Shard(0) on one mesh dim)."""
+def _output_reason(wait: fx.Node | None, padded: bool = False) -> Refusal | None:
+    """Why the gathered tensor is not used as is (a Shard(0) on one mesh dim; ``padded``:
+    an uneven one, whose row slices after the wait ``uneven_rows`` accepted)."""
     if wait is None:
         return Refusal(Reason.NO_SINGLE_WAIT, "gather without a single wait_tensor")
+    if padded:
+        return None
     for u in wait.users:
         if u.op != "call_function":
             continue
@@ -344,18 +403,27 @@ def gate(graph: fx.Graph, cfg: Config, is_inference: bool | None = None) -> list
     seeds: list[Seed] = []
     whole = graph_reason(graph, is_inference, cfg)
     training = whole is None and is_training_graph(graph, is_inference)
+    cast_slots = whole is None and not training and getattr(cfg, "cast_slots", False)
     ph_index = _placeholder_index(graph)
     mutated = mutated_inputs(graph) if whole is None else set()
     for g in U.find_op_nodes(graph, U.ALL_GATHER):
         x, gs, gname = g.args[0], g.args[1], g.args[2]
         seed = Seed(g, x, U.wait_of(g), int(gs), str(gname))
+        # What is gathered (padded to the same rows on every rank when uneven).
         val = x.meta.get("val") if isinstance(x, fx.Node) else None
         seed.nbytes = U.nbytes(val) or 0 if val is not None else 0
-        cast = _stage_cast(x, ph_index) if training else None
-        src = cast.args[0] if cast is not None else x
+        seed.padded_rows = uneven_rows(g, seed.wait, seed.group_size)
+        inner = x
+        if seed.padded_rows:
+            seed.pad = _end_pad(x)
+            inner = seed.pad.args[0] if seed.pad is not None else x
+        cast = _stage_cast(inner, ph_index) if training or cast_slots else None
+        src = cast.args[0] if cast is not None else inner
         seed.reason = whole or _seed_reason(seed, src, val, ph_index, cfg)
         if training and val is not None:
             seed.stage_dtype = val.dtype
+        elif cast is not None and val is not None:
+            seed.stage_dtype, seed.cast_slot = val.dtype, True
         root = _chain(x)[1] if isinstance(x, fx.Node) else None
         if (root is not None and root.op == "placeholder" and _is_weight(root, ph_index[root])
                 and not any(U.is_wait(n) for n in _chain(x)[0])):
@@ -379,7 +447,7 @@ def _seed_reason(seed: Seed, x: fx.Node, val, ph_index, cfg: Config) -> Refusal 
     dim_cat = shard_dim_resplit(seed)
     if dim_cat is not None:  # NOTE [Shard(1) reads]: the rewrite folds the re-split away
         seed.gather_dim, seed.resplit = dim_cat
-    out = None if dim_cat is not None else _output_reason(seed.wait)
+    out = None if dim_cat is not None else _output_reason(seed.wait, padded=bool(seed.padded_rows))
     if out:
         return out
     if val is None:
@@ -461,8 +529,9 @@ def serving_refusal(gather: fx.Node, cfg: Config, *, training: bool, ph_index: d
     chain up to an optional pad (whether a pad is there is *not* asked: only the ranks with
     short shards have one), the gathered output's shape and what reads it, the mutated
     inputs and the config. The gate's verdict on an even shard is the same (same helpers,
-    same order); when a rule widens (uneven Shard(0), inference casts), it widens here
-    first, for every rank at once. ``training``: a training graph (the joint graph is one)."""
+    same order), and so is its verdict on an uneven Shard(0) (``uneven_rows``) and on an
+    inference cast with ``config.cast_slots``: when a rule widens, it widens here first,
+    for every rank at once. ``training``: a training graph (the joint graph is one)."""
     wg = weight_gather(gather)
     if wg is None:
         return Refusal(Reason.NOT_A_GRAPH_INPUT,
@@ -472,14 +541,27 @@ def serving_refusal(gather: fx.Node, cfg: Config, *, training: bool, ph_index: d
     if training and not cfg.training:
         return _TRAINING
     cast = wg.cast
-    if cast is not None and not (training and not (cast.target is aten._to_copy.default
-                                                    and set(cast.kwargs) - {"dtype"})):
+    # A cast is served where the gate stages it: a training graph's slot, or an inference
+    # graph's cast slot with ``config.cast_slots`` (NOTE [cast slots] in runtime/staging.py);
+    # only a plain dtype cast (``_stage_cast``).
+    if cast is not None and not ((training or getattr(cfg, "cast_slots", False))
+                                 and not (cast.target is aten._to_copy.default
+                                          and set(cast.kwargs) - {"dtype"})):
         return Refusal(Reason.CAST_BEFORE_GATHER,
                        "cast before gather (store inference weights in the compute dtype)")
+    gs = int(wg.gather.args[1])
+    # An uneven Shard(0): decided from the gathered shape and the slices after the wait
+    # (``uneven_rows``, what the gate asks), never from whether this rank pads.
+    padded = uneven_rows(wg.gather, wg.wait, gs)
+    pad = next((n for n in wg.chain if n.target in _PAD_OPS), None)
+    if pad is not None and not (padded and pad is wg.chain[-1] and _end_pad(pad) is not None):
+        # Only a short rank has a pad, and DTensor adds one only before an uneven gather,
+        # which every rank sees as such: where the gate refuses a pad, it refuses here too.
+        return Refusal(Reason.PAD_BEFORE_GATHER, "pad before gather (uneven Shard(0))")
     # A Shard(d >= 1) gather re-split in rank order is served as one strided read (NOTE
     # [Shard(1) reads]); the re-split's shape facts are the gathered blocks', alike on every rank.
-    resplit = resplit_of(wg.wait, wg.gather.args[0].meta.get("val"), int(wg.gather.args[1]))
-    out = None if resplit is not None else _output_reason(wg.wait)
+    resplit = resplit_of(wg.wait, wg.gather.args[0].meta.get("val"), gs)
+    out = None if resplit is not None else _output_reason(wg.wait, padded=bool(padded))
     if out:
         return out
     why = _mutation_reason(wg.weight, mutated)

@@ -104,7 +104,9 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
                 **common, bytes=ok[0].nbytes, group=ok[0].group_name,
                 refused_gathers=[str(s.reason) for s in ss if not s.eligible],
                 rows=rw.account() if rw is not None else None,
-                staged=str(ok[0].stage_dtype).removeprefix("torch.") if p.staged else None))
+                staged=str(ok[0].stage_dtype).removeprefix("torch.") if p.staged else None,
+                cast_slot=str(ok[0].stage_dtype).removeprefix("torch.") if ok[0].cast_slot else None,
+                padded_rows=ok[0].padded_rows or None))
         else:
             rec.refused.append(report.RefusedWeight(**common, reason=str(ss[0].reason),
                                                     code=int(ss[0].reason.code)))

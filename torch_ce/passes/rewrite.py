@@ -57,64 +57,105 @@ from .plan import Plan
 def rewrite(graph: fx.Graph, p: Plan, refresh: bool = True) -> fx.Node | None:
     """Retarget the planned gathers and insert the bind (or stage) step; returns it."""
     if p.staged:
-        return _rewrite_staged(graph, p, refresh)
+        return _rewrite_staged(graph, p.shards, p.seeds, refresh)
     for s in p.seeds:
-        s.gather.target = U.magi.ce_all_gather.default
-        if s.gather_dim:
-            rewrite_dim(graph, s)
-    if not p.shards:
-        return None
-    bind = _head_step(graph, U.magi.ce_bind.default, p)
-    bind.meta["val"] = None
+        if s.cast_slot:
+            continue
+        if s.padded_rows:
+            _retarget_padded(graph, s, s.weight)
+        else:
+            s.gather.target = U.magi.ce_all_gather.default
+            if s.gather_dim:
+                rewrite_dim(graph, s)
+    bind = None
+    if p.shards:
+        bind = _head_step(graph, U.magi.ce_bind.default, p.shards, False)
+        bind.meta["val"] = None
+    if p.cast_shards:  # NOTE [cast slots] in runtime/staging.py: never refreshed
+        stage = _rewrite_staged(graph, p.cast_shards, [s for s in p.seeds if s.cast_slot],
+                                False, static=True, after=bind)
+        bind = bind or stage
     return bind
 
 
-def _head_step(graph: fx.Graph, target, p: Plan, *extra) -> fx.Node:
-    """The bind or stage step after the last placeholder, listing every planned shard:
-    (shards, [dtypes,] group sizes, group names, parameter names, reasons, *extra)."""
-    dtypes = ([ps.dtype for ps in p.shards],) if p.staged else ()
-    with graph.inserting_after(U.last_placeholder(graph)):
+def _retarget_padded(graph: fx.Graph, s, shard: fx.Node) -> None:
+    """An uneven Shard(0) gather: ``ce_all_gather_padded(shard, rows, ...)``, whose output
+    has the collective's padded shape on every rank; this rank's pad (a short rank) goes
+    (NOTE [uneven Shard(0): padded slots] in runtime/windows.py)."""
+    old = s.gather.args[0]
+    s.gather.target = U.magi.ce_all_gather_padded.default
+    s.gather.args = (shard, s.padded_rows, *s.gather.args[1:])
+    s.shard = shard
+    _erase_dead(graph, old)
+
+
+def _erase_dead(graph: fx.Graph, node) -> None:
+    """Erase ``node`` and then its producers while nothing reads them (a pad, a cast)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and not node.users:
+        up = node.args[0] if node.args else None
+        graph.erase_node(node)
+        node = up
+
+
+def _head_step(graph: fx.Graph, target, shards, staged: bool, *extra, after=None) -> fx.Node:
+    """The bind or stage step after the last placeholder (or ``after``), listing every
+    planned shard: (shards, [dtypes,] group sizes, group names, parameter names, reasons,
+    *extra)."""
+    dtypes = ([ps.dtype for ps in shards],) if staged else ()
+    rows = [ps.rows for ps in shards]
+    if any(rows) and target is U.magi.ce_bind.default:
+        extra = (*extra, rows)  # uneven Shard(0): each padded slot's rows
+    with graph.inserting_after(after if after is not None else U.last_placeholder(graph)):
         return graph.call_function(target, (
-            [ps.node for ps in p.shards],
+            [ps.node for ps in shards],
             *dtypes,
-            [ps.group_size for ps in p.shards],
-            [ps.group_name for ps in p.shards],
-            [param_name(ps.node) for ps in p.shards],  # NOTE [parameter names]
-            [ps.reason for ps in p.shards],
+            [ps.group_size for ps in shards],
+            [ps.group_name for ps in shards],
+            [param_name(ps.node) for ps in shards],  # NOTE [parameter names]
+            [ps.reason for ps in shards],
             *extra,
         ))
 
 
-def _rewrite_staged(graph: fx.Graph, p: Plan, refresh: bool) -> fx.Node | None:
-    if not p.shards:
+def _rewrite_staged(graph: fx.Graph, shards, seeds, refresh: bool, static: bool = False,
+                    after=None) -> fx.Node | None:
+    if not shards:
         return None
-    stage = _head_step(graph, U.magi.ce_stage.default, p, refresh)
+    rows = [ps.rows for ps in shards]
+    extra = (refresh, rows, True) if static else (refresh, rows) if any(rows) else (refresh,)
+    stage = _head_step(graph, U.magi.ce_stage.default, shards, True, *extra, after=after)
     stage.meta["val"] = None
     # The slots of the shards the compile side found eligible (the others are listed in the
     # stage step only so that every rank agrees over the same candidates). ce_stage is
     # declared as mutating the shards, so this read of them runs after it.
-    ok = [ps for ps in p.shards if not ps.reason]
+    ok = [ps for ps in shards if not ps.reason]
     if not ok:
         return stage
     with graph.inserting_after(stage):
         staged = graph.call_function(U.magi.ce_staged.default, (
-            [ps.node for ps in ok], [ps.dtype for ps in ok], [ps.group_name for ps in ok]))
+            [ps.node for ps in ok], [ps.dtype for ps in ok], [ps.group_name for ps in ok],
+            *((True,) if static else ())))
     slots: dict[tuple, fx.Node] = {}
     vals = []
     prev = staged
     for i, ps in enumerate(ok):
         w = ps.node.meta["val"]
+        # A padded slot comes back as its live rows (the weight's shape): the gather reads
+        # the full slot it views (ce_all_gather_padded).
         val = w.new_empty(w.shape, dtype=getattr(torch, ps.dtype))
         with graph.inserting_after(prev):
             item = graph.call_function(operator.getitem, (staged, i))
         item.meta["val"] = val
         vals.append(val)
-        slots[(ps.node, ps.dtype)] = item
+        slots[(ps.node, ps.dtype, ps.rows)] = item
         prev = item
     staged.meta["val"] = vals
-    for s in p.seeds:
-        slot = slots.get((s.weight, str(s.stage_dtype).removeprefix("torch.")))
+    for s in seeds:
+        slot = slots.get((s.weight, str(s.stage_dtype).removeprefix("torch."), s.padded_rows))
         if slot is None:  # cannot happen: an eligible seed's weight is an eligible shard
+            continue
+        if s.padded_rows:
+            _retarget_padded(graph, s, slot)  # the pad and the cast go: the stage step casts
             continue
         old = s.gather.args[0]
         s.gather.target = U.magi.ce_all_gather.default

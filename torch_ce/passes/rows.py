@@ -33,6 +33,12 @@ rows in place): refused as well. ``padding_idx``, ``scale_grad_by_freq`` and ``s
 change only the backward (aten's embedding forward is an ``index_select``) and row gathers
 are made only in inference graphs (a training graph's gathers read staging slots, so its
 embeddings are gathered in full: manager.py), so lookups with them are row gathers too.
+
+An uneven table (NOTE [uneven Shard(0): padded slots] in runtime/windows.py) is looked up
+through the row slice after its padded gather; row r then lives on rank ``r // R`` for
+the padded row count R, the same rule, so the op gets R and the table's rows (for the
+bounds check) and the slice goes with the gather. A table gathered from a cast slot keeps
+its full gathers ("gathered from a cast slot").
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ _OTHER_READ = Refusal(Reason.ROWS_OTHER_READ,
                       "embedding lookup (e.g. a tied LM head)")
 _MAX_NORM = Refusal(Reason.ROWS_MAX_NORM,
                     "full gather: embedding max_norm renormalizes the gathered weight in place")
+_CAST = Refusal(Reason.ROWS_CAST, "full gather: the table is gathered from a cast slot")
 
 
 @dataclasses.dataclass
@@ -69,7 +76,10 @@ class RowWeight:
     @property
     def row_bytes(self) -> int:
         val = self.weight.meta["val"]
-        return int(val[0].numel()) * val.element_size()
+        n = 1
+        for d in val.shape[1:]:  # not val[0]: an uneven table's shard may have no rows
+            n *= int(d)
+        return n * val.element_size()
 
     @property
     def rows(self) -> int | None:
@@ -104,13 +114,25 @@ def find(seeds: list[Seed]) -> list[RowWeight]:
     by_weight: dict[fx.Node, RowWeight] = {}
     for s in seeds:
         if s.eligible:  # eligible: the gather input is the placeholder, with one wait
-            by_weight.setdefault(s.shard, RowWeight(s.shard, [])).seeds.append(s)
+            key = s.weight if s.weight is not None else s.shard
+            by_weight.setdefault(key, RowWeight(key, [])).seeds.append(s)
     out = []
     for rw in by_weight.values():
+        # Decided from graph facts every rank shares (the cast is on every rank), so every
+        # rank keeps the same full gathers.
+        if any(s.cast_slot for s in rw.seeds):
+            if any(u.op == "call_function" and u.target is aten.embedding.default
+                   for s in rw.seeds for u in _readers(s.wait)):
+                rw.reason = _CAST
+                out.append(rw)
+            continue
         renorm = False
         for s in rw.seeds:
-            for u in s.wait.users:
-                if _is_lookup(u, s.wait):
+            # An uneven table (NOTE [uneven Shard(0): padded slots]): every reader of the
+            # wait is a row slice (gate.uneven_rows), and the lookups read the slice.
+            tables = list(s.wait.users) if s.padded_rows else [s.wait]
+            for u in [u for t in tables for u in t.users]:
+                if _is_lookup(u, u.args[0] if u.args and u.args[0] in tables else s.wait):
                     rw.lookups.append((u, u.args[1], s))
                 elif u.op == "call_function" and u.target is aten.embedding_renorm.default:
                     renorm = True
@@ -123,6 +145,21 @@ def find(seeds: list[Seed]) -> list[RowWeight]:
     return out
 
 
+def _slice_end(sl: fx.Node) -> int:
+    """Rows an uneven table's row slice keeps (the table's rows)."""
+    return int(sl.meta["val"].shape[0])
+
+
+def _readers(wait: fx.Node) -> list[fx.Node]:
+    """The wait's users, and the users of its row slices (an uneven table's lookups)."""
+    out = []
+    for u in wait.users:
+        out.append(u)
+        if u.op == "call_function" and u.target in (aten.slice.Tensor, aten.narrow.default):
+            out.extend(u.users)
+    return out
+
+
 def rewrite(graph: fx.Graph, weights: list[RowWeight]) -> set[int]:
     """Lookups -> ``magi.ce_gather_rows``; the weight's gathers go. Returns the ids of the
     seeds removed (they take no part in bucketing)."""
@@ -131,13 +168,19 @@ def rewrite(graph: fx.Graph, weights: list[RowWeight]) -> set[int]:
         if rw.reason is not None:
             continue
         for lookup, ids, s in rw.lookups:
+            # An uneven table: the padded slot's rows and the table's (the slice's end,
+            # for the bounds check): row r is on rank r // padded rows, as in the gather.
+            extra = (s.padded_rows, _slice_end(lookup.args[0])) if s.padded_rows else ()
             with graph.inserting_before(lookup):
                 rows = graph.call_function(U.magi.ce_gather_rows.default,
-                                           (rw.weight, ids, s.group_size, s.group_name))
+                                           (rw.weight, ids, s.group_size, s.group_name, *extra))
             rows.meta["val"] = lookup.meta.get("val")
             lookup.replace_all_uses_with(rows)
             graph.erase_node(lookup)
         for s in rw.seeds:
+            for sl in list(s.wait.users):  # an uneven table's row slices, now unread
+                if not sl.users:
+                    graph.erase_node(sl)
             graph.erase_node(s.wait)
             graph.erase_node(s.gather)
             gone.add(id(s))

@@ -122,7 +122,7 @@ class Descriptor:
     facts only, plus this rank's verdict)."""
 
     group_ranks: tuple  # the candidate's group, by global rank
-    shape: tuple | None  # the local shard's (None: no tensor)
+    shape: tuple | None  # the slot's: the local shard's, or a padded slot's (None: no tensor)
     dtype: str | None  # what the window would hold (a staging slot's dtype in training)
     device: str | None  # device type
     code: int  # eligibility.Reason of this rank's refusal; 0: eligible here
@@ -157,7 +157,9 @@ def descriptor(c) -> Descriptor:
     if t is None:
         return Descriptor(ranks, None, None, None, code or 99, text or "ineligible")
     dtype = getattr(c, "stage_dtype", None) or t.dtype  # a staging slot's dtype (training)
-    return Descriptor(ranks, tuple(t.shape), str(dtype), t.device.type, code, text)
+    # A padded slot's shape (uneven Shard(0)): the same on every rank, whatever its shard.
+    shape = getattr(c, "slot_shape", None) or tuple(t.shape)
+    return Descriptor(ranks, tuple(shape), str(dtype), t.device.type, code, text)
 
 
 def agree(cands: list, mine: list[Descriptor], everyone: dict[int, list[Descriptor]]) -> list:

@@ -27,9 +27,10 @@ _done: set = set()
 W.on_release(_done.clear)
 
 
-def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None:
+def run_bind_step(shards, group_sizes, group_names, names, reasons=None, rows=()) -> None:
     if not shards:
         return
+    rows = list(rows) or [0] * len(shards)
     key = (tuple(names), shards[0].data_ptr())
     if key in _done:
         return
@@ -37,7 +38,7 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
 
     # Resolved by a bind round, empty shards included (NOTE [empty shards] in binding.py):
     # the same answer on every rank of the step.
-    if all(resolved(s) is not None for s in shards):
+    if all(resolved(s, rows=r) is not None for s, r in zip(shards, rows)):
         _remember(key, shards[0])
         return
     from .eligibility import Reason, decode, refusal
@@ -45,7 +46,7 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
     resolve = torch._C._distributed_c10d._resolve_process_group
     cands = []
     reasons = reasons or [""] * len(shards)
-    for t, gs, gname, name, why in zip(shards, group_sizes, group_names, names, reasons):
+    for t, gs, gname, name, why, nrows in zip(shards, group_sizes, group_names, names, reasons, rows):
         try:
             pg = resolve(gname)
         except RuntimeError as e:
@@ -55,10 +56,10 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None) -> None
                 "created). Run compiled graphs before destroying their process groups."
             ) from e
         # A compile-time refusal still takes part in the agreement (as refused).
-        reason = decode(why) if why else local_reason(t, pg)
+        reason = decode(why) if why else local_reason(t, pg, rows=nrows)
         if reason is None and pg.size() != gs:
             reason = refusal(Reason.GROUP_SIZE_MISMATCH, f"group size {pg.size()} != gather group size {gs}")
-        cands.append(Candidate(name, t, pg, reason))
+        cands.append(Candidate(name, t, pg, reason, rows=nrows))
     res = bind_candidates(cands)
     from .. import report
 

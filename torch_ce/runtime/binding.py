@@ -50,14 +50,27 @@ class Candidate:
     # Staged (training graphs, runtime/staging.py): the window holds a copy of the weight
     # cast to this dtype, refreshed each step; the weight itself stays where it is.
     stage_dtype: torch.dtype | None = None
+    # An uneven Shard(0) weight: its slot holds this many rows (``ceil(rows / W)``, the
+    # same on every rank), the shard its first ones (NOTE [uneven Shard(0): padded slots]
+    # in windows.py). 0: the slot is the shard's own shape.
+    rows: int = 0
+    static: bool = False  # a cast slot of an inference graph (NOTE [cast slots] in staging.py)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.stage_dtype or self.tensor.dtype
 
     @property
+    def slot_shape(self) -> tuple:
+        shape = tuple(self.tensor.shape)
+        return (self.rows, *shape[1:]) if self.rows else shape
+
+    @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.dtype.itemsize
+        n = 1
+        for d in self.slot_shape:
+            n *= d
+        return n * self.dtype.itemsize
 
 
 @dataclasses.dataclass
@@ -69,12 +82,15 @@ class BindResult:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     windows_opened: int = 0
     bytes_bound: int = 0
+    # Bytes of the cast slots this bind made (inference graphs' param_dtype copies of fp32
+    # shards, held beside the weights: NOTE [cast slots] in staging.py).
+    cast_slot_bytes: int = 0
 
     def __repr__(self) -> str:
         return (
             f"BindResult(bound={len(self.bound)}, already_bound={len(self.already_bound)}, "
             f"skipped={self.skipped}, windows_opened={self.windows_opened}, "
-            f"bytes_bound={self.bytes_bound})"
+            f"bytes_bound={self.bytes_bound}, cast_slot_bytes={self.cast_slot_bytes})"
         )
 
 
@@ -84,10 +100,12 @@ class BindResult:
 
 
 def local_reason(t: torch.Tensor, group, min_shard_bytes: int | None = None,
-                 stage_dtype: torch.dtype | None = None) -> Refusal | None:
+                 stage_dtype: torch.dtype | None = None, rows: int = 0) -> Refusal | None:
     """Why this rank cannot bind ``t`` into a window of ``group`` (None: it can): the
     gate's predicate (eligibility.shard_refusal) on the live shard, plus the kernels.
-    ``stage_dtype``: a staging slot of that dtype (training), not ``t`` itself."""
+    ``stage_dtype``: a staging slot of that dtype (training), not ``t`` itself. ``rows``:
+    a padded slot of that many rows (uneven Shard(0)): the slot's facts are asked, the
+    same on every rank, so an empty shard is no refusal."""
     if group is None:
         return refusal(Reason.NO_GROUP, "no process group (plain tensors need group=...)")
     if stage_dtype is None and W.is_staged(t):
@@ -95,8 +113,15 @@ def local_reason(t: torch.Tensor, group, min_shard_bytes: int | None = None,
                        "a training graph stages this weight (it changes every step): an "
                        "inference graph cannot read it in place")
     itemsize = (stage_dtype or t.dtype).itemsize
+    numel = t.numel()
+    if rows:
+        if t.dim() < 1 or t.shape[0] > rows:
+            return refusal(Reason.UNEVEN_SHARD, f"shard of {tuple(t.shape)} does not fit a padded slot of {rows} rows")
+        numel = rows
+        for d in t.shape[1:]:
+            numel *= d
     return shard_refusal(
-        device_type=t.device.type, nbytes=t.numel() * itemsize, numel=t.numel(),
+        device_type=t.device.type, nbytes=numel * itemsize, numel=numel,
         dim=t.dim(), contiguous=t.is_contiguous(), group_size=dist.get_world_size(group),
         cfg=config, min_shard_bytes=min_shard_bytes, kernel_refusal=native.kernel_refusal)
 
@@ -160,39 +185,49 @@ def _transport(device: torch.device):
 # NOTE [empty shards]
 # A weight with fewer rows than ranks leaves some ranks an empty local shard. The bind step
 # decides "bind now?" by asking whether every shard it lists is resolved (bound, or marked
-# Fallback), and the address registry (windows.lookup) cannot hold an empty tensor: empty
-# tensors share addresses (often 0), so one's entry would answer for another, or be lost
-# with it. An empty shard was therefore never marked, its rank re-entered the bind at the
-# next call while its peers went straight to the gathers, and the ranks split (a BindError
-# after the arrival timeout on one side, a closed gloo connection on the other). Empty
-# shards are resolved here instead, by the tensor's identity (a weak reference: the entry
-# dies with the tensor), so a rank holding one takes exactly the bind path of its peers:
-# one round at the first call, none after.
-_empty: dict[tuple, tuple] = {}  # (id(tensor), stage dtype) -> (weakref, Fallback)
-W.on_release(_empty.clear)
+# Fallback: ``resolved``, the one such check), and the address registry (windows.lookup)
+# cannot hold an empty tensor: empty tensors share addresses (often 0), so one's entry
+# would answer for another, or be lost with it. An empty shard that is never marked makes
+# its rank re-enter the bind at the next call while its peers go straight to the gathers,
+# and the ranks split (a BindError after the arrival timeout on one side, a closed gloo
+# connection on the other). So every registry here finds an empty shard without its
+# address: a bound one of an uneven Shard(0) by its slot view's first-element address
+# (NOTE [uneven Shard(0): padded slots] in windows.py), a refused one in place by the
+# tensor's identity (``windows.register_padded_fallback``: a weak reference, the entry
+# dies with the tensor), a staging or cast slot's by identity as well (``windows._wkey``).
+# A rank holding one takes exactly the bind path of its peers: one round at the first
+# call, none after.
 
 
-def resolved(t: torch.Tensor, stage_dtype: torch.dtype | None = None) -> W.Slot | W.Fallback | None:
-    """``t``'s entry (in place, or its staging entry of ``stage_dtype``): a Slot, a Fallback,
-    or None when it has not been through a bind round yet (NOTE [empty shards])."""
-    if t.numel() == 0:
-        hit = _empty.get((id(t), stage_dtype))
-        return hit[1] if hit is not None and hit[0]() is t else None
+def resolved(t: torch.Tensor, stage_dtype: torch.dtype | None = None, rows: int = 0,
+             static: bool = False) -> W.Slot | W.Fallback | None:
+    """``t``'s entry (in place; its padded slot for ``rows``; its staging entry of
+    ``stage_dtype``, or its cast slot when ``static``): a Slot, a Fallback, or None when it
+    has not been through a bind round yet (NOTE [empty shards])."""
+    if static:
+        hit = W.cast_slot(t, stage_dtype)
+        return hit[0] if hit is not None else None
     if stage_dtype is not None:
         hit = W.staged(t, stage_dtype)
         return hit[0] if hit is not None else None
+    if rows or not t.numel():
+        hit = W.padded(t)
+        return hit[0] if isinstance(hit, tuple) else hit
     return W.lookup(t)
 
 
 def _mark_fallback(c: Candidate, why: Refusal) -> None:
-    if c.tensor is not None and c.group is not None and not c.tensor.numel():
-        fb = W.Fallback(str(why), c.group.group_name, weakref.ref(c.tensor), int(why.code))
-        _empty[(id(c.tensor), c.stage_dtype)] = (weakref.ref(c.tensor), fb)
-    elif c.tensor is not None and c.group is not None:
-        fb = W.Fallback(str(why), c.group.group_name, weakref.ref(c.tensor), int(why.code))
-        if c.stage_dtype is not None:
-            W.register_staged(c.tensor, c.stage_dtype, fb)
-        else:
+    if c.tensor is None or c.group is None:
+        return
+    fb = W.Fallback(str(why), c.group.group_name, weakref.ref(c.tensor), int(why.code))
+    if c.static:
+        W.register_cast_slot(c.tensor, c.stage_dtype, fb)
+    elif c.stage_dtype is not None:
+        W.register_staged(c.tensor, c.stage_dtype, fb)
+    else:
+        if c.rows or not c.tensor.numel():
+            W.register_padded_fallback(c.tensor, fb)  # by identity: an empty shard has no address
+        if c.tensor.numel():
             W.register(c.tensor, fb)
 
 
@@ -211,7 +246,7 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
     world_ranks = W.group_ranks_of(dist.group.WORLD)
     units: dict[tuple, tuple[Any, list[Candidate]]] = {}
     for c in cands:
-        entry = None if c.tensor is None else resolved(c.tensor, c.stage_dtype)
+        entry = None if c.tensor is None else resolved(c.tensor, c.stage_dtype, c.rows, c.static)
         if isinstance(entry, W.Slot):
             res.already_bound.append(c.name)
         elif isinstance(entry, W.Fallback):
@@ -368,8 +403,14 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
     for c, slot in slots:
         slot.window.used = max(slot.window.used, slot.offset + W.align_up(slot.nbytes))
         _transport(slot.window.device).publish_slot(slot)
-        if c.stage_dtype is not None:
-            W.register_staged(c.tensor, c.stage_dtype, slot, views[id(c)])
+        view, full = views[id(c)]
+        if c.static:
+            W.register_cast_slot(c.tensor, c.stage_dtype, slot, view, full if c.rows else None)
+            res.cast_slot_bytes += slot.nbytes
+        elif c.stage_dtype is not None:
+            W.register_staged(c.tensor, c.stage_dtype, slot, view, full if c.rows else None)
+        elif c.rows:
+            W.register_padded(full, slot, c.tensor)
         else:
             W.register(c.tensor, slot)
         res.bound.append(c.name)
@@ -395,7 +436,7 @@ def _slots(plans: list[_PoolPlan]) -> list[tuple[Candidate, W.Slot]]:
     for p in plans:
         windows = p.pool.windows + p.new
         for m, (wi, off) in zip(p.members, p.layout.places):
-            out.append((m, W.Slot(windows[wi], off, m.nbytes, tuple(m.tensor.shape), m.dtype, m.name)))
+            out.append((m, W.Slot(windows[wi], off, m.nbytes, m.slot_shape, m.dtype, m.name)))
     return out
 
 
@@ -406,9 +447,14 @@ def _move_into_slots(slots: list[tuple[Candidate, W.Slot]], moved: list) -> dict
     views = {}
     with torch.no_grad():
         for c, slot in slots:
-            view = _transport(slot.window.device).slot_local_view(slot)
+            full = _transport(slot.window.device).slot_local_view(slot)
+            view = full
+            if c.rows:  # NOTE [uneven Shard(0): padded slots] in windows.py
+                n = c.tensor.shape[0]
+                view = full[:n]
+                full[n:].zero_()
             view.copy_(c.tensor)
-            views[id(c)] = view
+            views[id(c)] = (view, full)
             if c.stage_dtype is None:
                 c.tensor.data = view
                 moved.append((c, view))

@@ -47,6 +47,7 @@ class Reason(enum.IntEnum):
     # in full (passes/rows.py). Its gathers stay ordinary CE gathers.
     ROWS_OTHER_READ = 32
     ROWS_MAX_NORM = 33
+    ROWS_CAST = 35
     # Placement and process-group facts (bind only).
     PLACEMENT = 40
     NO_GROUP = 41

@@ -48,6 +48,26 @@ i.e. the local shard's numel x param_dtype's size (+50% of fp32 sharded paramete
 bf16 param_dtype, +100% without mixed precision), plus the windows' growth slack
 (NOTE [windows that pool]).
 
+# NOTE [cast slots]
+An inference graph of fp32 weights under ``MixedPrecisionPolicy(param_dtype=bf16)`` casts
+each shard before gathering it. Its weights are static, so the cast is made once: the
+graph's stage step (``static``: never refreshed, no fences) binds a *cast slot* per weight
+and dtype, the param_dtype copy of the shard in a window, exactly like a training graph's
+staging slot that is never refreshed, and the gathers read it (the graph's cast goes). The
+fp32 weight stays where it is, so this costs the shard once more in param_dtype (+50% of
+the fp32 sharded bytes with bf16); the bind record says how much (``cast_slot_bytes``, in
+``explain()``). ``config.cast_slots=False`` (``TORCH_CE_CAST_SLOTS=0``) turns it off: such
+gathers stay on the collective ("cast before gather").
+
+Weights that change: the slot was copied at bind, so a later in-place update of the fp32
+weight (``load_state_dict``, an optimizer step) would leave peers reading the old values.
+Each read compares the weight's version counter with the one at the copy and raises on a
+change (the version moves on every rank that updates its weight, so every rank raises;
+rebuild with ``torch_ce.release_all()`` and a fresh compile, or keep such models on the
+collective). A weight that a training graph stages is refused a cast slot (its staging slot
+is refreshed by training forwards only, and an eval forward between steps must see this
+step's values): such gathers stay on the collective, on every rank alike.
+
 ``unsafe_no_step_fence()`` skips both fences inside its block. It exists for the test that
 shows the fences are needed (a delayed rank then reads stale weights); never use it otherwise.
 """
@@ -101,32 +121,40 @@ def fence(groups: list) -> None:
         dist.all_reduce(flag, group=pg)
 
 
-def _bind_new(params, dtypes, group_sizes, group_names, names, reasons) -> None:
-    """One bind round for the weights that have no staging entry yet (agreed by every rank)."""
+def _bind_new(params, dtypes, group_sizes, group_names, names, reasons, rows=None,
+              static=False) -> None:
+    """One bind round for the weights that have no staging entry yet (agreed by every rank).
+    ``static``: cast slots of an inference graph (NOTE [cast slots])."""
     from .. import report
     from .binding import Candidate, bind_candidates, local_reason
     from .eligibility import Reason, decode, refusal
 
     resolve = torch._C._distributed_c10d._resolve_process_group
     cands = []
-    for p, d, gs, gname, name, why in zip(params, dtypes, group_sizes, group_names, names, reasons):
+    rows = list(rows or ()) or [0] * len(params)
+    for p, d, gs, gname, name, why, nrows in zip(params, dtypes, group_sizes, group_names, names,
+                                                 reasons, rows):
         try:
             pg = resolve(gname)
         except RuntimeError as e:
             raise RuntimeError(
                 f"torch_ce: the stage step of a compiled training graph needs process group "
                 f"{gname!r} (for {name}), which is not a live group on this rank") from e
-        if isinstance(W.lookup(p), W.Slot):  # identical on every rank: no exchange needed
+        if not static and isinstance(W.lookup(p), W.Slot):  # identical on every rank: no exchange needed
             raise RuntimeError(
                 f"torch_ce: {name} was bound in place by an inference graph (weights static "
                 "from then on), and a training graph now gathers it: an optimizer step would "
                 "write the window while peers read it. Run the training graphs before "
                 "compiling inference graphs on the same weights, or keep inference on the "
                 "collective (torch_ce.enable(training=...) / transport='nccl').")
-        reason = decode(why) if why else local_reason(p, pg, stage_dtype=d)
+        reason = decode(why) if why else local_reason(p, pg, stage_dtype=d, rows=nrows)
+        if reason is None and static and W.is_staged(p):
+            reason = refusal(Reason.TRAINED_WEIGHT,
+                             "a training graph stages this weight (it changes every step): an "
+                             "inference graph cannot read a cast slot made once")
         if reason is None and pg.size() != gs:
             reason = refusal(Reason.GROUP_SIZE_MISMATCH, f"group size {pg.size()} != gather group size {gs}")
-        cands.append(Candidate(name, p, pg, reason, stage_dtype=d))
+        cands.append(Candidate(name, p, pg, reason, stage_dtype=d, rows=nrows, static=static))
     report.record_bind(bind_candidates(cands))
 
 
@@ -140,18 +168,23 @@ def _fence_groups(entries) -> list:
     return [seen[k] for k in sorted(seen)]
 
 
-def run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, refresh) -> None:
+def run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, refresh,
+                   rows=(), static=False) -> None:
     """Bind the staging slots (first run), and when ``refresh`` (a training forward) fence,
-    copy every weight (cast) into its slot, fence."""
+    copy every weight (cast) into its slot, fence. ``static``: cast slots (NOTE [cast
+    slots]), bound once, never refreshed."""
     from .binding import resolved
-
     dts = [getattr(torch, d) for d in dtypes]
+    if static:
+        if any(resolved(p, d, static=True) is None for p, d in zip(params, dts)):
+            _bind_new(params, dts, group_sizes, group_names, names, reasons, rows, static=True)
+        return
     entries = [W.staged(p, d) for p, d in zip(params, dts)]
     # Empty shards too (NOTE [empty shards] in binding.py): every rank binds at the same call.
     if any(resolved(p, d) is None for p, d in zip(params, dts)):
         # First run (or a weight replaced since): bind; the bind's last exchange publishes
         # the copies it made, so a backward that binds needs no fence of its own.
-        _bind_new(params, dts, group_sizes, group_names, names, reasons)
+        _bind_new(params, dts, group_sizes, group_names, names, reasons, rows)
         entries = [W.staged(p, d) for p, d in zip(params, dts)]
     if refresh:
         groups = _fence_groups(entries)
@@ -163,12 +196,29 @@ def run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, ref
             fence(groups)  # fence 2: every slot holds this step's values
 
 
-def staged_slots(params, dtypes, group_names) -> list[torch.Tensor]:
-    """The staging slots of ``params`` (what the gathers read), after ``run_stage_step``."""
+def _check_version(p: torch.Tensor, version: int, slot) -> None:
+    if p._version != version:
+        raise RuntimeError(
+            f"torch_ce: {slot.name or 'a weight'} changed in place after its cast slot was "
+            "made (NOTE [cast slots] in torch_ce/runtime/staging.py): peers would read the "
+            "old values. Inference graphs with mixed precision read a param_dtype copy made "
+            "once; after updating weights, call torch_ce.release_all() and compile again, "
+            "or set torch_ce.enable(cast_slots=False).")
+
+
+def staged_slots(params, dtypes, group_names, static=False) -> list[torch.Tensor]:
+    """The staging slots of ``params`` (what the gathers read), after ``run_stage_step``
+    (``static``: the cast slots)."""
     outs = []
     for p, dt, gname in zip(params, dtypes, group_names):
         d = getattr(torch, dt)
-        e = W.staged(p, d)
+        if static:
+            c = W.cast_slot(p, d)
+            e = None if c is None else (c[0], c[1])
+            if c is not None and isinstance(c[0], W.Slot):
+                _check_version(p, c[2], c[0])
+        else:
+            e = W.staged(p, d)
         if e is not None and isinstance(e[0], W.Slot):
             outs.append(e[1])
             continue
@@ -177,5 +227,7 @@ def staged_slots(params, dtypes, group_names) -> list[torch.Tensor]:
         fb = e[0] if e is not None else W.Fallback("not staged", gname)
         t = p.detach().to(d, copy=True)
         W.register(t, W.Fallback(fb.reason, fb.group_name, weakref.ref(t), fb.code))
+        if not t.numel():  # no address to find it by (NOTE [empty shards] in binding.py)
+            W.register_padded_fallback(t, W.Fallback(fb.reason, fb.group_name, weakref.ref(t), fb.code))
         outs.append(t)
     return outs

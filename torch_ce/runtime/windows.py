@@ -301,32 +301,146 @@ def registered_probe(t: torch.Tensor, slot: Slot):
 # or Fallback, the slot's local view or None). The slot's view is registered above too, so
 # the gathers find it like any bound shard.
 _staged: dict[tuple[int, torch.dtype], tuple[Any, Slot | Fallback, torch.Tensor | None]] = {}
+def _wkey(t: torch.Tensor) -> int:
+    """A weight's key: its address; an empty weight (address 0) its identity instead."""
+    return t.data_ptr() if t.numel() else -id(t)
 
 
 def staged(t: torch.Tensor, dtype: torch.dtype) -> tuple[Slot | Fallback, torch.Tensor | None] | None:
     """The staging entry of weight ``t`` in ``dtype`` ((Slot, view) or (Fallback, None))."""
-    hit = _staged.get((t.data_ptr(), dtype))
+    hit = _staged.get((_wkey(t), dtype))
     if hit is None:
         return None
     ref, entry, view = hit
     live = ref()
     if live is None or live.data_ptr() != t.data_ptr() or tuple(live.shape) != tuple(t.shape):
         return None  # the weight was freed (or replaced) and its address reused
+    if not t.numel() and live is not t:
+        return None
     return entry, view
 
 
 def is_staged(t: torch.Tensor) -> bool:
     """Whether some training graph stages ``t`` (a trained weight)."""
-    return any(staged(t, d) is not None for (ptr, d) in list(_staged) if ptr == t.data_ptr())
+    k = _wkey(t)
+    return any(staged(t, d) is not None for (ptr, d) in list(_staged) if ptr == k)
+
+
+# Cast slots of inference graphs (NOTE [cast slots] in staging.py), keyed like ``_staged``:
+# (weakref to the weight, its Slot or Fallback, the slot's view or None, the weight's
+# version counter when the slot was copied). Apart from the training slots: a weight that
+# a training graph stages and an inference graph casts has both, and the cast slot is
+# refused (its values would be a step old after the next optimizer step).
+_cast: dict[tuple[int, torch.dtype], tuple[Any, Slot | Fallback, torch.Tensor | None, int]] = {}
+
+
+def cast_slot(t: torch.Tensor, dtype: torch.dtype) -> tuple[Slot | Fallback, torch.Tensor | None, int] | None:
+    """The cast slot of weight ``t`` in ``dtype``: (Slot, view, version) or (Fallback, None, 0)."""
+    hit = _cast.get((_wkey(t), dtype))
+    if hit is None:
+        return None
+    ref, entry, view, version = hit
+    live = ref()
+    if live is None or live.data_ptr() != t.data_ptr() or tuple(live.shape) != tuple(t.shape):
+        return None
+    if not t.numel() and live is not t:
+        return None
+    return entry, view, version
+
+
+def register_cast_slot(t: torch.Tensor, dtype: torch.dtype, entry: Slot | Fallback,
+                       view: torch.Tensor | None = None, full: torch.Tensor | None = None) -> None:
+    """Record weight ``t``'s cast slot (its view registered as bound, like a staging slot)."""
+    with _lock:
+        if full is not None and isinstance(entry, Slot):
+            register_padded(full, entry)
+        elif view is not None:
+            register(view, entry)
+        _cast[(_wkey(t), dtype)] = (weakref.ref(t), entry, view, t._version)
+
+
+def cast_slots() -> list[tuple[torch.Tensor, Slot]]:
+    """(weight, slot) of every live cast slot (explain(): their bytes)."""
+    out = []
+    for ref, entry, _, _ in list(_cast.values()):
+        w = ref()
+        if w is not None and isinstance(entry, Slot):
+            out.append((w, entry))
+    return out
 
 
 def register_staged(t: torch.Tensor, dtype: torch.dtype, entry: Slot | Fallback,
-                    view: torch.Tensor | None = None) -> None:
-    """Record weight ``t``'s staging slot (and register the slot's view as bound)."""
+                    view: torch.Tensor | None = None, full: torch.Tensor | None = None) -> None:
+    """Record weight ``t``'s staging slot (and register the slot's view as bound). ``full``:
+    a padded slot's ceil-row view (``view`` its first rows; NOTE [uneven Shard(0): padded
+    slots])."""
     with _lock:
-        if view is not None:
+        if full is not None and isinstance(entry, Slot):
+            register_padded(full, entry)
+        elif view is not None:
             register(view, entry)
-        _staged[(t.data_ptr(), dtype)] = (weakref.ref(t), entry, view)
+        _staged[(_wkey(t), dtype)] = (weakref.ref(t), entry, view)
+
+
+# NOTE [uneven Shard(0): padded slots]
+# torch.chunk gives the first ranks ``ceil(rows / W)`` rows and the last ones fewer (or
+# none), so a gather of an uneven Shard(0) weight is the collective gather of the shards
+# zero-padded to ``ceil`` rows, sliced to ``rows`` after the wait (the padding lands past
+# the weight's last row). Its slot holds ``ceil`` rows on every rank (the agreed,
+# rank-independent shape): the live shard in the first rows, zeros in the rest (written
+# once at bind, never again: a refresh copies only the live rows), so every peer's slab
+# has one size and the gather reads W fixed-size slabs, bit for bit the collective's
+# padded output. The parameter (or, for a staging slot, the view the stage step writes)
+# views the slot's first rows, so the address of its first element (storage address plus
+# offset) names the slot even when it has 0 rows (an empty tensor's ``data_ptr()`` is 0).
+# The full ceil-row view is registered like any bound shard (the C++ index matches it by
+# address and shape); ``padded`` maps a live-rows view back to it. A refused padded
+# weight is recorded by the tensor's identity (``id`` and a weakref), since an empty shard
+# has no address.
+_padded: dict[int, tuple[Slot, torch.Tensor]] = {}
+_padded_fb: dict[int, tuple[Any, Fallback]] = {}
+
+
+def _first_addr(t: torch.Tensor) -> int:
+    """The address of ``t``'s first element, also when it has none: its storage's address
+    plus its storage offset (0: no storage)."""
+    try:
+        base = t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 (a tensor without storage: not a slot view)
+        return 0
+    return base + t.storage_offset() * t.element_size() if base else 0
+
+
+def register_padded(full: torch.Tensor, entry: Slot, live: torch.Tensor | None = None) -> None:
+    """Record a padded slot: ``full`` its ceil-row view (registered as bound too), ``live``
+    the parameter that views its first rows (then the owner NOTE [window lifetime] counts)."""
+    with _lock:
+        register(full, entry)
+        if live is not None:
+            entry.ref = weakref.ref(live)
+        _padded[_first_addr(full)] = (entry, full)
+
+
+def register_padded_fallback(t: torch.Tensor, fb: Fallback) -> None:
+    with _lock:
+        _padded_fb[id(t)] = (weakref.ref(t), fb)
+
+
+def padded(t: torch.Tensor) -> tuple[Slot, torch.Tensor] | Fallback | None:
+    """A live-rows view's padded slot and the slot's full view, or its Fallback, or None."""
+    addr = _first_addr(t)
+    if addr:
+        hit = _padded.get(addr)
+        if hit is not None:
+            slot, full = hit
+            if (t.dtype == slot.dtype and tuple(t.shape[1:]) == tuple(slot.shape[1:])
+                    and t.shape[0] <= slot.shape[0] and t.is_contiguous()):
+                return hit
+    fb = _padded_fb.get(id(t))
+    if fb is not None and fb[0]() is t:
+        return fb[1]
+    entry = lookup(t)  # a runtime fallback's plain cast (staging.staged_slots)
+    return entry if isinstance(entry, Fallback) else None
 
 
 def bound_slots() -> list[Slot]:
@@ -379,6 +493,9 @@ def release_all() -> None:
         _pools.clear()
         _registry.clear()
         _staged.clear()
+        _padded.clear()
+        _padded_fb.clear()
+        _cast.clear()
 
 
 def group_ranks_of(group) -> tuple:
