@@ -54,13 +54,12 @@ class Dim1GoldenTest(TestCase):
         self.mesh = init_device_mesh("cpu", (2,))
         report.clear()
         self.graphs: list[str] = []
-        manager.observers.append(self._record)
         self.stack = contextlib.ExitStack()
+        self.stack.enter_context(manager.observing(self._record))
         self.stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False, compile_threads=1))
         torch._dynamo.reset()
 
     def tearDown(self):
-        manager.observers.remove(self._record)
         torch_ce.disable()
         self.stack.close()
         torch._dynamo.reset()

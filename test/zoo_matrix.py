@@ -187,7 +187,7 @@ def _root_name(n):
 class GatherCensus:
     """Per graph torch_ce's passes ran on: the gathers left on the collective afterwards
     (input bytes and the placeholder each reads), for ``coverage`` when ``explain()`` has no
-    ``coverage()`` yet. An observer of the pass manager (``manager.observers``)."""
+    ``coverage()`` yet. An observer of the pass manager (``manager.observing``)."""
 
     def __init__(self):
         from torch_ce import report
@@ -219,13 +219,12 @@ class GatherCensus:
     def __enter__(self):
         from torch_ce.passes import manager
 
-        manager.observers.append(self)
+        self._obs = manager.observing(self)
+        self._obs.__enter__()
         return self
 
     def __exit__(self, *exc):
-        from torch_ce.passes import manager
-
-        manager.observers.remove(self)
+        self._obs.__exit__(*exc)
 
 
 def _share(ce: int, coll: int):

@@ -77,7 +77,7 @@ def copy_peers_dim(out: torch.Tensor, slot: Slot, dim: int) -> None:
 def gather_slot_dim(shard: torch.Tensor, slot: Slot, group_size: int, dim: int) -> torch.Tensor:
     """A fresh gathered weight of a bound Shard(``dim``) ``shard`` (its ``slot``, whose group
     the caller checked), in its final layout: the C++ strided reads on CUDA (NOTE [strided
-    reads] in csrc/ce_torch.cpp), else ``copy_peers_dim``."""
+    reads] in csrc/ce_copy.h), else ``copy_peers_dim``."""
     if shard.is_cuda and native.loaded():
         return torch.ops.torch_ce_native.gather_bound_dim([shard], group_size, [dim])[0]
     out = shard.new_empty(gather_dim_shape(shard.shape, group_size, dim))
