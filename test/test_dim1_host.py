@@ -28,6 +28,7 @@ and cat leave the graph. Every output must be bit-identical to the plain compile
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -105,12 +106,10 @@ def _rank_experts(rank, world, cache_dir, seed):
         if shard_dim not in refs:  # the same weights and inputs: one plain run per dim
             refs[shard_dim] = _compiled(model, xs, transport="nccl")[:2]
         ref, ref_code = refs[shard_dim]
-        if refuse:
-            native._force_unavailable.add("cpu")
         try:
-            outs, code, e = _compiled(model, xs, transport="copy_engine", symm_min_shard_mib=0)
+            with native.kernels_unavailable("cpu") if refuse else contextlib.nullcontext():
+                outs, code, e = _compiled(model, xs, transport="copy_engine", symm_min_shard_mib=0)
         finally:
-            native._force_unavailable.discard("cpu")
             torch_ce.release_all()
         out[case] = dict(
             exact=[torch.equal(a, b) for a, b in zip(outs, ref)],
