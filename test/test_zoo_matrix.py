@@ -3,8 +3,8 @@ ranks: every case bit-identical to the plain compiled run, and >= 99% of its gat
 weight bytes on the copy engines (test/zoo_matrix.py says what one case runs and checks;
 test/zoo_models.py how the models are built and wrapped).
 
-Default: the representative subset ``zoo_matrix.DEFAULT`` (uneven training, EP inference,
-MoE training, HSDP with a bf16 cast, Shard(1) experts). The full matrix (dense Llama3 and
+Default: ``zoo_matrix.DEFAULT``, the case that used to hang (zoo_matrix.py says why one
+case is enough there). The full matrix (dense Llama3 and
 Qwen3, MoE Qwen3-MoE and DeepSeek-V3; fully_shard, HSDP 2 x 2, EP 2 on 4 ranks with
 Shard(0) and Shard(1) experts; inference and training; fp32 and bf16 ``param_dtype``;
 world 2, 3 and 4) is ``slow`` (TORCH_CE_SLOW=1). ``test/zoo_matrix_report.py`` runs the

@@ -148,14 +148,13 @@ def _matrix() -> list[Case]:
 
 CASES = {c.id: c for c in _matrix()}
 
-# The default CI subset: one case per axis that matters (uneven training, EP, MoE
-# training, HSDP with a cast, Shard(1) experts), a few minutes on 2 cores.
+# The default CI subset: the case that hung (uneven shards on 3 ranks, bf16 training,
+# reshard after forward: rank-independent reshard, padded slots, staging), about three
+# minutes on 2 cores. Every other axis has a cheaper default test of its own (EP and
+# Shard(1) experts: test_dim1_host.py; mutation: test_mutation.py; empty shards and the
+# fuzz: test_no_hang.py; cast slots: test_uneven_host.py); the whole matrix is slow-marked.
 DEFAULT = (
     "llama3-fully_shard-w3-train-bf16",
-    "qwen3_moe-ep-w4-infer-fp32-e4",
-    "deepseek_v3-fully_shard-w2-train-fp32-e4",
-    "qwen3-hsdp-w4-infer-bf16",
-    "qwen3_moe-ep-w4-infer-fp32-e2",
 )
 assert set(DEFAULT) <= set(CASES), sorted(set(DEFAULT) - set(CASES))
 
