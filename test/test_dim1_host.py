@@ -33,13 +33,14 @@ import os
 import re
 
 import pytest
+import testenv
 import torch
 
 pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
 
 from mp_harness import run_ranks, seed_base, setup_compile  # noqa: E402
 
-SLOW = os.environ.get("TORCH_CE_SLOW", "") not in ("", "0")
+SLOW = testenv.SLOW  # conftest took the switch out of the environment (test/testenv.py)
 DIM_CALL = re.compile(r"torch\.ops\.magi\.ce_all_gather_dim\.default\(")
 
 
