@@ -180,12 +180,15 @@ inline cudaError_t per_copy(void* const* dsts, const void* const* srcs,
 // three ways to hand the blocks to the copy engines, picked by DimStrategy
 // (set_dim_strategy, an A/B knob: bench/compare/dim1_cost.py measures them):
 //   kDimRows     every row of every block one entry of the one
-//                cudaMemcpyBatchAsync (height * (W - 1) entries per member);
-//                the default: the batch path the Shard(0) gather already uses
+//                cudaMemcpyBatchAsync (height * (W - 1) entries per member):
+//                the copy engines take each short row as a copy of its own, so
+//                it ran 7-17x slower than the others on one H200 (perf-notes)
 //   kDim2D       one cudaMemcpy2DAsync per block (W - 1 calls per member; any
-//                CUDA version; what CUDA-graph capture always uses)
-//   kDim3DBatch  one cudaMemcpy3DBatchAsync of one 2-D op per block (CUDA >=
-//                12.8; falls back to kDimRows where it is missing)
+//                CUDA version; what CUDA-graph capture and runtimes without the
+//                batch call use)
+//   kDim3DBatch  the default: one cudaMemcpy3DBatchAsync of one 2-D op per
+//                block, one submission like the Shard(0) batch (CUDA >= 12.8;
+//                kDim2D where it is missing); as fast as kDim2D, ~1 us less CPU
 // A block whose rows are contiguous on both sides (height 1) is one plain copy
 // in every strategy.
 enum DimStrategy : int { kDimRows = 0, kDim2D = 1, kDim3DBatch = 2 };

@@ -96,7 +96,7 @@ std::atomic<size_t> g_peer_chunk{0};  // bytes; 0: whole slabs
 // which owns the park.
 std::atomic<bool> g_prefetch_pending{false};
 // NOTE [strided reads] in ce_copy.h: how a Shard(d) gather hands its blocks over.
-std::atomic<int> g_dim_strategy{torch_ce_copy::kDimRows};
+std::atomic<int> g_dim_strategy{torch_ce_copy::kDim3DBatch};
 
 // Two copy streams per device: peer reads, and this rank's own rows.
 struct DeviceStreams {

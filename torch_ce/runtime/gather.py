@@ -92,8 +92,8 @@ DIM_STRATEGIES = {"rows": 0, "2d": 1, "3d": 2}
 @contextlib.contextmanager
 def dim_strategy_as(name: str):
     """Shard(d) gathers issued inside hand their strided blocks to the copy engines as
-    ``name`` (NOTE [strided reads]: "rows", the default, one batch entry per row block;
-    "2d", one cudaMemcpy2DAsync per peer block; "3d", one cudaMemcpy3DBatchAsync); the
+    ``name`` (NOTE [strided reads]: "rows", one batch entry per row block; "2d", one
+    cudaMemcpy2DAsync per peer block; "3d", the default, one cudaMemcpy3DBatchAsync); the
     default comes back on exit. An A/B switch for bench/compare/dim1_cost.py and the GPU
     tests; without the C++ kernels it changes nothing."""
     if name not in DIM_STRATEGIES:
