@@ -198,10 +198,10 @@ ZOO_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 # The timeout catches hangs, not slowness: a cold Inductor header cache (a fresh venv's
 # first compiles) doubles this test's time on 2 cores (~80 s per dtype there). A bind
 # whose ranks never meet raises (BindError, naming the step) well before it.
-# fp32 is slow-marked: the zoo matrix's default case trains the same model in bf16 on 3
-# ranks (test/test_zoo_matrix.py), and its slow cases cover fp32.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "fp32" else n
-                                  for n in ZOO_DTYPES])
+# Slow-marked: the zoo matrix's default case trains the same zoo model in bf16 on 3 ranks
+# with uneven shards (test/test_zoo_matrix.py), and its slow cases cover fp32 and 2 ranks.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ZOO_DTYPES))
 def test_zoo_llama3_trains_bit_identical(tmp_path, name):
     res = run_ranks(_rank_zoo, WORLD, seed_base(), str(tmp_path), name, timeout=600,
                     env={"TORCH_CE_BIND_ARRIVAL_TIMEOUT_S": "240"})
