@@ -152,8 +152,9 @@ def _rank_fp32(rank, world_size, seed, cache_dir):
         torch_ce.release_all()
 
 
-def _rank_bf16_policy(rank, world_size, seed, cache_dir):
-    """Test (b): fp32 weights, bf16 param_dtype: the cast precedes every gather."""
+def _rank_bf16_policy(rank, world_size, seed, cache_dir, cast_slots=True):
+    """Test (b): fp32 weights, bf16 param_dtype: the cast precedes every gather; with
+    ``cast_slots`` the gathers read a bind-time cast slot, without they stay collective."""
     _setup_child(cache_dir)
     import torch_ce
     from torch._inductor.utils import run_and_get_code
@@ -168,7 +169,8 @@ def _rank_bf16_policy(rank, world_size, seed, cache_dir):
         eager = model(x)
 
     report.clear()
-    torch_ce.enable(transport="copy_engine")
+    torch._dynamo.reset()
+    torch_ce.enable(transport="copy_engine", cast_slots=cast_slots)
     try:
         compiled = torch.compile(model)
         with torch.no_grad():
@@ -229,8 +231,9 @@ def _rank_all(rank, world_size, seed, cache_dir):
     """All scenarios in one spawn (process start-up and Inductor warm-up dominate the
     runtime on 2 cores); a failing scenario reports its traceback without hiding the other."""
     out = {}
-    scenarios = (("fp32", _rank_fp32), ("bf16", _rank_bf16_policy),
-                 ("bf16_noop", _rank_bf16_noop_policy))
+    scenarios = (("fp32", _rank_fp32),
+                 ("bf16_nocast", lambda *a: _rank_bf16_policy(*a, cast_slots=False)),
+                 ("bf16", _rank_bf16_policy), ("bf16_noop", _rank_bf16_noop_policy))
     for name, fn in scenarios:
         try:
             out[name] = fn(rank, world_size, seed, cache_dir)
@@ -291,8 +294,19 @@ def test_explain_names_simple_fsdp_parameters(results):
         assert not missing, f"rank {rank}: table lacks {missing}:\n{r['table']}"
 
 
-def test_simple_fsdp_bf16_param_dtype_stays_on_collective(results):
+def test_simple_fsdp_bf16_param_dtype_gathers_cast_slots(results):
     res = _scenario(results, "bf16")
+    for rank, r in enumerate(res):
+        assert r["dtype"] == "torch.bfloat16", r["dtype"]
+        assert r["refused"] == [], f"rank {rank}: refused gathers {r['refused']}"
+        assert r["bound"] == r["n_params"], (rank, r["bound"], r["n_params"])
+        assert r["ce_calls"] > 0, f"rank {rank}: generated code calls no magi gather"
+        # The cast slot holds the same bf16 cast of the same fp32 shard: bit-exact.
+        assert r["exact"], f"rank {rank}: compiled != eager (max diff {r['max_diff']})"
+
+
+def test_simple_fsdp_bf16_param_dtype_stays_on_collective_without_cast_slots(results):
+    res = _scenario(results, "bf16_nocast")
     for rank, r in enumerate(res):
         assert r["dtype"] == "torch.bfloat16", r["dtype"]
         assert r["bound"] == 0, f"rank {rank}: {r['bound']} gathers retargeted despite the cast"
