@@ -328,6 +328,8 @@ def _rank_hsdp(rank, world, seed, cache):
     return ref, ce, pools
 
 
+# Slow-marked (4 ranks on 2 cores, ~2 min): the zoo matrix's slow cases train HSDP 2 x 2 too.
+@pytest.mark.slow
 def test_hsdp_2x2_trains_bit_identical(tmp_path):
     """HSDP (``hybrid_shard`` on a (2, 2) mesh): each host's shard group stages and fences
     on its own; gradients reduce-scatter over the shard dim and all-reduce over the

@@ -232,6 +232,8 @@ def _share(ce: int, coll: int):
 
 def _plain(obj):
     """A dataclass / object with attributes / dict, as plain dicts and lists."""
+    if callable(getattr(obj, "as_dict", None)):  # explain()'s records (share is a property)
+        return _plain(obj.as_dict())
     if dataclasses.is_dataclass(obj):
         return {k: _plain(v) for k, v in dataclasses.asdict(obj).items()}
     if isinstance(obj, dict):
