@@ -495,34 +495,43 @@ at::Tensor ce_all_gather_dim_cuda(const at::Tensor& shard, int64_t group_size,
   return gather_slots_dim({shard}, group_size, {gather_dim}, slots)[0];
 }
 
+// The slots of a bucket the Python kernel hands back (it checked the group and
+// took any parked outputs): every member must be in the registry and match its
+// slot, whatever the group's name and the park's state. `what` names the caller.
+std::vector<std::shared_ptr<const Slot>> registered_slots(at::TensorList shards,
+                                                          int64_t group_size,
+                                                          const char* what) {
+  TORCH_CHECK(!shards.empty(), "torch_ce: ", what, ": empty bucket");
+  std::vector<std::shared_ptr<const Slot>> slots;
+  slots.reserve(shards.size());
+  std::lock_guard<std::mutex> lk(g_mu);
+  for (const auto& s : shards) {
+    TORCH_CHECK(s.is_cuda() && s.device() == shards[0].device() && s.dim() > 0,
+                "torch_ce: ", what, ": members must be CUDA tensors of one device, "
+                "at least 1-d");
+    auto it = g_slots.find(reinterpret_cast<uintptr_t>(s.data_ptr()));
+    TORCH_CHECK(it != g_slots.end(), "torch_ce: ", what,
+                ": a member is not in the C++ slot registry (registered only "
+                "through windows.register)");
+    const Slot& slot = *it->second;
+    TORCH_CHECK(slot.dtype == s.scalar_type() && s.sizes().equals(slot.shape) &&
+                    s.is_contiguous() &&
+                    static_cast<int64_t>(slot.peer_ptrs.size()) == group_size,
+                "torch_ce: ", what, ": a member does not match its slot (dtype, "
+                "shape, contiguity or group size)");
+    slots.push_back(it->second);
+  }
+  return slots;
+}
+
 // The Python kernel's way back for a bound CUDA Shard(d) shard it handled.
 std::vector<at::Tensor> gather_bound_dim(at::TensorList shards,
                                          int64_t group_size,
                                          c10::IntArrayRef dims) {
   TORCH_CHECK(!shards.empty() && dims.size() == shards.size(),
               "torch_ce: gather_bound_dim: one gather dim per member");
-  std::vector<std::shared_ptr<const Slot>> slots;
-  slots.reserve(shards.size());
-  {
-    std::lock_guard<std::mutex> lk(g_mu);
-    for (const auto& s : shards) {
-      TORCH_CHECK(s.is_cuda() && s.device() == shards[0].device() && s.dim() > 0,
-                  "torch_ce: gather_bound_dim: members must be CUDA tensors of one "
-                  "device, at least 1-d");
-      auto it = g_slots.find(reinterpret_cast<uintptr_t>(s.data_ptr()));
-      TORCH_CHECK(it != g_slots.end(),
-                  "torch_ce: gather_bound_dim: a member is not in the C++ slot "
-                  "registry (registered only through windows.register)");
-      const Slot& slot = *it->second;
-      TORCH_CHECK(slot.dtype == s.scalar_type() && s.sizes().equals(slot.shape) &&
-                      s.is_contiguous() &&
-                      static_cast<int64_t>(slot.peer_ptrs.size()) == group_size,
-                  "torch_ce: gather_bound_dim: a member does not match its slot "
-                  "(dtype, shape, contiguity or group size)");
-      slots.push_back(it->second);
-    }
-  }
-  return gather_slots_dim(shards, group_size, dims, slots);
+  return gather_slots_dim(shards, group_size, dims,
+                          registered_slots(shards, group_size, "gather_bound_dim"));
 }
 
 void set_dim_strategy(int64_t strategy) {
@@ -537,33 +546,10 @@ int64_t dim_strategy() {
 }
 
 // The Python kernel's way back for the bound CUDA members of a bucket it
-// handled (it checked the group and took any parked outputs): every member
-// must be in the registry, whatever the group's name and the park's state.
+// handled (registered_slots says what it checks).
 std::vector<at::Tensor> gather_bound(at::TensorList shards,
                                      int64_t group_size) {
-  TORCH_CHECK(!shards.empty(), "torch_ce: gather_bound: empty bucket");
-  std::vector<std::shared_ptr<const Slot>> slots;
-  slots.reserve(shards.size());
-  {
-    std::lock_guard<std::mutex> lk(g_mu);
-    for (const auto& s : shards) {
-      TORCH_CHECK(s.is_cuda() && s.device() == shards[0].device() && s.dim() > 0,
-                  "torch_ce: gather_bound: members must be CUDA tensors of one device, "
-                  "at least 1-d");
-      auto it = g_slots.find(reinterpret_cast<uintptr_t>(s.data_ptr()));
-      TORCH_CHECK(it != g_slots.end(),
-                  "torch_ce: gather_bound: a member is not in the C++ slot "
-                  "registry (registered only through windows.register)");
-      const Slot& slot = *it->second;
-      TORCH_CHECK(slot.dtype == s.scalar_type() && s.sizes().equals(slot.shape) &&
-                      s.is_contiguous() &&
-                      static_cast<int64_t>(slot.peer_ptrs.size()) == group_size,
-                  "torch_ce: gather_bound: a member does not match its slot "
-                  "(dtype, shape, contiguity or group size)");
-      slots.push_back(it->second);
-    }
-  }
-  return gather_slots(shards, group_size, slots);
+  return gather_slots(shards, group_size, registered_slots(shards, group_size, "gather_bound"));
 }
 
 // magi::ce_gather_rows of a bound CUDA shard (the Python kernel checked the group
