@@ -466,11 +466,8 @@ graph():
     %arg3_1 : [num_users=2] = placeholder[target=arg3_1]
     %arg4_1 : [num_users=0] = placeholder[target=arg4_1]
     %ce_bind_default : [num_users=0] = call_function[target=torch.ops.magi.ce_bind.default](args = ([%arg0_1, %arg3_1], [2, 2], [0, 0], [tok.weight, lin.weight], [, ]), kwargs = {})
-    %ce_all_gather_coalesced_default : [num_users=2] = call_function[target=torch.ops.magi.ce_all_gather_coalesced.default](args = ([%arg0_1, %arg0_1], 2, 0), kwargs = {})
-    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%ce_all_gather_coalesced_default, 0), kwargs = {})
-    %getitem_1 : [num_users=1] = call_function[target=operator.getitem](args = (%ce_all_gather_coalesced_default, 1), kwargs = {})
-    %wait_tensor : [num_users=0] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%getitem,), kwargs = {})
-    %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%getitem_1,), kwargs = {})
+    %all_gather_into_tensor_1 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg0_1, 2, 0), kwargs = {})
+    %wait_tensor_1 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_1,), kwargs = {})
     %embedding : [num_users=1] = call_function[target=torch.ops.aten.embedding.default](args = (%wait_tensor_1, %arg2_1), kwargs = {})
     %all_gather_into_tensor_2 : [num_users=1] = call_function[target=torch.ops.magi.ce_all_gather.default](args = (%arg3_1, 2, 0), kwargs = {})
     %wait_tensor_2 : [num_users=1] = call_function[target=torch.ops._c10d_functional.wait_tensor.default](args = (%all_gather_into_tensor_2,), kwargs = {})

@@ -10,8 +10,7 @@ Shard(0) and Shard(1) experts; inference and training; fp32 and bf16 ``param_dty
 world 2, 3 and 4) is ``slow`` (TORCH_CE_SLOW=1). ``test/zoo_matrix_report.py`` runs the
 same cases one by one and prints a table.
 
-Each case is asserted in full. With ``TORCH_CE_MATRIX_EXPECT_GAPS=1`` a case that waits
-for a fix on today's main (``Case.needs``) is ``xfail(strict=False)``.
+Each case is asserted in full (``Case.exercises`` says what it takes beyond an even model).
 
 Each case has a timeout (``Case.timeout``); on a hang the harness prints every rank's
 Python stacks before killing them (test/mp_harness.py).
@@ -41,8 +40,6 @@ def _param(cid: str, slow: bool):
     marks = []
     if slow:
         marks += [pytest.mark.slow, pytest.mark.skipif(not SLOW, reason="set TORCH_CE_SLOW=1 for the full matrix")]
-    if c.needs and M.expect_gaps():
-        marks.append(pytest.mark.xfail(strict=False, reason=f"waits for {sorted(c.needs)} on this branch"))
     return pytest.param(cid, marks=marks, id=cid)
 
 
@@ -74,20 +71,24 @@ def test_zoo_case_full_matrix(cid, kernel_cache):
     _check(cid, kernel_cache)
 
 
-def test_needs_rules():
-    """The markers name the issue's gaps where they are: no fix needed for the even dense
-    cases; uneven for world 3 and bf16 inference; robust for uneven training, the empty
-    router gate and MoE training on the dense mesh; dim1 where graph_trainer puts experts
-    on dim 1 (efsdp * ep > num_experts)."""
-    n = {cid: c.needs for cid, c in M.CASES.items()}
-    assert n["llama3-fully_shard-w2-train-bf16"] == frozenset()
-    assert n["qwen3_moe-ep-w4-infer-fp32-e4"] == frozenset()
-    assert n["llama3-fully_shard-w3-train-bf16"] == {"robust", "uneven"}
-    assert n["qwen3-hsdp-w4-infer-bf16"] == {"uneven"}
-    assert n["deepseek_v3-fully_shard-w2-train-fp32-e4"] == {"robust"}
-    assert n["qwen3_moe-ep-w4-infer-fp32-e2"] == {"robust", "dim1"}
+def test_matrix_covers_the_gaps():
+    """Every gap the matrix was built for has cases, in inference and training: uneven
+    shards (world 3), cast slots (bf16 inference), the empty router gate, MoE training on
+    the dense mesh (a mutated input), Shard(1) experts (efsdp * ep > num_experts)."""
+    ex = {cid: c.exercises for cid, c in M.CASES.items()}
+    assert ex["llama3-fully_shard-w2-train-bf16"] == frozenset()
+    assert ex["qwen3_moe-ep-w4-infer-fp32-e4"] == frozenset()
+    assert ex["llama3-fully_shard-w3-train-bf16"] == {"uneven"}
+    assert ex["qwen3-hsdp-w4-infer-bf16"] == {"cast slots"}
+    assert ex["deepseek_v3-fully_shard-w2-train-fp32-e4"] == {"mutation"}
+    assert ex["qwen3_moe-ep-w4-infer-fp32-e2"] == {"empty shard", "dim1"}
     assert M.CASES["qwen3_moe-ep-w4-infer-fp32-e2"].experts_dim1
     assert not M.CASES["qwen3_moe-ep-w4-infer-fp32-e4"].experts_dim1
+    both = {"infer", "train"}
+    for gap, want in (("uneven", both), ("cast slots", {"infer"}), ("empty shard", both),
+                      ("mutation", {"train"}), ("dim1", both)):
+        phases = {M.CASES[cid].phase for cid, e in ex.items() if gap in e}
+        assert phases == want, (gap, phases)
     assert len(M.DEFAULT) <= 6 and len(M.CASES) >= 40
 
 

@@ -14,18 +14,14 @@ tokens) or losses (training: a few AdamW steps, ``loss.backward()``), plus the c
 the torch_ce run (``coverage``). The judge (``failures``) wants every output and loss
 bit-identical (``torch.equal``) and ``coverage.total.share >= MIN_SHARE`` on every rank.
 
-``Case.needs``: the helpers' fixes a case waits for on today's main (the hangs and
-refusals of the issue this matrix comes from). By default every case is asserted in full;
-with ``TORCH_CE_MATRIX_EXPECT_GAPS=1`` a case whose ``needs`` is not empty is an
-``xfail(strict=False)``. After merging a fix, run the matrix with that variable set: its
-cases XPASS; then delete the fix's lines in ``needs()`` and those cases are plain
-asserts again (``test_needs_rules`` pins the rules: update it with them).
+``Case.exercises``: what a case takes beyond an even Shard(0) model (uneven shards, an
+empty shard, cast slots, a mutated input, Shard(1) experts): the report's column, and
+where to look when a case fails. Every case is asserted in full.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 
@@ -35,7 +31,6 @@ MIN_SHARE = 0.99
 INFER_CALLS = 2  # a second call: the issue's empty-shard failure shows only there
 TRAIN_STEPS = 3
 BATCH, SEQ = 2, 17  # tokens per rank: [BATCH, SEQ - 1] in, the next token as the label
-EXPECT_GAPS_ENV = "TORCH_CE_MATRIX_EXPECT_GAPS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +78,8 @@ class Case:
         return base + 90 * (self.world - 2) + (120 if self.family in MOE_FAMILIES else 0)
 
     @property
-    def needs(self) -> frozenset:
-        return needs(self)
+    def exercises(self) -> frozenset:
+        return exercises(self)
 
 
 MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
@@ -95,31 +90,28 @@ def _has_empty_shard(rows: int, ranks: int) -> bool:
     return math.ceil(rows / ranks) * (ranks - 1) >= rows
 
 
-def needs(c: Case) -> frozenset:
-    """The fixes ``c`` waits for on today's main (module docstring); empty: passes today.
+def exercises(c: Case) -> frozenset:
+    """What ``c`` takes beyond an even Shard(0) model (module docstring); empty: nothing.
 
-    - robust: uneven shards in training hang (the reshard pass's backward collectives
-      differ by rank); a weight with an empty shard (the MoE router gate ``[experts, dim]``
-      on a dense mesh larger than ``experts``) breaks the bind; an MoE training graph whose
-      experts are on the dense mesh mutates an input (``tokens_per_expert_E.add_``) and is
-      refused whole ("graph mutates its inputs").
-    - uneven: uneven ``Shard(0)`` weights (dims not divisible by the world) are refused;
-      bf16 ``param_dtype`` inference of fp32 weights is refused ("cast before gather").
-    - dim1: routed experts sharded on dim 1.
+    - uneven: dims not divisible by the dense mesh (world 3): padded slots, and in training
+      the reshard that decides alike on every rank (the case that hung);
+    - cast slots: bf16 ``param_dtype`` inference of fp32 weights;
+    - empty shard: the MoE router gate ``[experts, dim]`` on a dense mesh larger than
+      ``experts``;
+    - mutation: MoE training with the experts on the dense mesh (``tokens_per_expert.add_``
+      mutates a graph input; the gate refuses only that input's gathers);
+    - dim1: routed experts sharded on dim 1 (graph_trainer, ``efsdp * ep > num_experts``).
     """
     out = set()
-    uneven = c.fsdp == 3
-    if uneven and c.phase == "train":
-        out |= {"robust", "uneven"}
-    if uneven:
+    if c.fsdp == 3:
         out.add("uneven")
     if c.phase == "infer" and c.dtype == "bf16":
-        out.add("uneven")
+        out.add("cast slots")
     if c.family in MOE_FAMILIES:
         if _has_empty_shard(c.experts, c.fsdp):
-            out.add("robust")
+            out.add("empty shard")
         if c.phase == "train" and c.mode != "ep":
-            out.add("robust")
+            out.add("mutation")
         if c.experts_dim1:
             out.add("dim1")
     return frozenset(out)
@@ -157,16 +149,6 @@ DEFAULT = (
     "llama3-fully_shard-w3-train-bf16",
 )
 assert set(DEFAULT) <= set(CASES), sorted(set(DEFAULT) - set(CASES))
-
-
-def expect_gaps() -> bool:
-    try:  # under pytest, testenv took the switch out of the environment (conftest)
-        import testenv
-        if EXPECT_GAPS_ENV in testenv.NAMES:
-            return testenv.MATRIX_EXPECT_GAPS
-    except ImportError:
-        pass
-    return os.environ.get(EXPECT_GAPS_ENV, "") not in ("", "0")
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Run the zoo matrix (test/zoo_matrix.py) case by case and print a table: case, status,
-copy-engine share (lowest over the ranks), wall time, what the case still needs on
-today's main, and the first failure line.
+copy-engine share (lowest over the ranks), wall time, what the case exercises beyond an
+even model (``Case.exercises``), and the first failure line.
 
     cd <repo> && PYTHONPATH=$PWD python test/zoo_matrix_report.py            # every case
     PYTHONPATH=$PWD python test/zoo_matrix_report.py -k moe -k w4            # ids with all of these
     PYTHONPATH=$PWD python test/zoo_matrix_report.py --default --out DIR     # the CI subset
+    PYTHONPATH=$PWD python test/zoo_matrix_report.py ID [ID ...]             # these, in this order
 
 Each case runs in a subprocess of its own (this script with ``--case ID``), under the
 case's own timeout (the harness dumps every rank's stacks at it and kills the ranks), plus
@@ -135,6 +136,7 @@ def _first_problem(result: dict | None, log: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ids", nargs="*", help="case ids to run, in this order (default: every case)")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
@@ -145,17 +147,20 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.case:
         return run_one(a.case, a.json, a.cache)
-    ids = list(M.DEFAULT) if a.default else list(M.CASES)
+    unknown = sorted(set(a.ids) - set(M.CASES))
+    if unknown:
+        ap.error(f"unknown case id(s): {', '.join(unknown)} (--list shows them)")
+    ids = list(a.ids) or (list(M.DEFAULT) if a.default else list(M.CASES))
     ids = [i for i in ids if all(k in i for k in a.k)]
     if a.list:
         for i in ids:
-            print(i, " ".join(sorted(M.CASES[i].needs)))
+            print(i, ",".join(sorted(M.CASES[i].exercises)))
         return 0
     out = a.out or tempfile.mkdtemp(prefix="zoo_matrix_report_")
     os.makedirs(out, exist_ok=True)
     cache = os.path.join(out, "inductor")  # per rank, shared by the cases (M.run_case)
     rows = []
-    head = f"{'case':<44} {'status':<8} {'CE share':>9} {'wall s':>7}  {'needs (today)':<20} first problem"
+    head = f"{'case':<44} {'status':<8} {'CE share':>9} {'wall s':>7}  {'exercises':<24} first problem"
     print(head, flush=True)
     for cid in ids:
         c = M.CASES[cid]
@@ -179,14 +184,14 @@ def main(argv=None) -> int:
         text = open(lpath, errors="replace").read()
         status = _classify(result, text, rc)
         share = result.get("share") if result else None
-        row = dict(case=cid, status=status, share=share, wall_s=round(wall, 1), needs=sorted(c.needs),
+        row = dict(case=cid, status=status, share=share, wall_s=round(wall, 1), exercises=sorted(c.exercises),
                    problem="" if status == "pass" else _first_problem(result, text))
         rows.append(row)
         sh = "-" if share is None else f"{100 * share:.1f}%"
-        print(f"{cid:<44} {status:<8} {sh:>9} {wall:>7.0f}  {','.join(row['needs']) or '-':<20} {row['problem']}",
+        print(f"{cid:<44} {status:<8} {sh:>9} {wall:>7.0f}  {','.join(row['exercises']) or '-':<24} {row['problem']}",
               flush=True)
-    with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        with open(os.path.join(out, "report.json"), "w") as f:  # after every case: a cut run keeps its rows
+            json.dump(rows, f, indent=1)
     n = {s: sum(r["status"] == s for r in rows) for s in ("pass", "fail", "hang", "timeout")}
     print(f"\n{len(rows)} case(s): " + ", ".join(f"{v} {k}" for k, v in n.items()) + f"; logs in {out}")
     return 0 if n["pass"] == len(rows) else 1

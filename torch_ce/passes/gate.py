@@ -83,6 +83,8 @@ class Seed:
     pad: fx.Node | None = None  # this rank's pad before the gather (a short rank), if any
     # An inference graph's cast gather served by a cast slot (never refreshed).
     cast_slot: bool = False
+    # NOTE [unread gathers]: nothing reads this weight gather's result; the passes drop it.
+    unread: bool = False
 
     @property
     def eligible(self) -> bool:
@@ -201,6 +203,41 @@ def _is_weight(ph: fx.Node, idx: int) -> bool:
     if md is not None and md.static_input_indices is not None:
         return idx in md.static_input_indices
     return desc is None  # hand-built graphs: trust the caller
+
+
+# NOTE [unread gathers]
+# torchtitan's ``Embedding.forward`` reads its parametrized weight twice
+# (``isinstance(self.weight, DTensor)``, then ``self.weight``), so an inference graph gathers
+# the table twice and never reads the first result: collectives are not dead-code
+# eliminated. Such a gather cannot be judged like a live one: with an uneven Shard(0) only
+# the short ranks pad before it, and no slice after its wait tells the others that the
+# weight is uneven, so a verdict that asked would differ by rank (one rank's collective
+# with nobody to meet it: a hang). Whether a result is read is a fact of the graph, the same
+# on every rank: every rank drops the gather (``drop_unread``), whatever its shard. The
+# joint graph's reshard pass leaves it untagged (``serving_refusal``), as plain would.
+
+
+def unread(gather: fx.Node, wait: fx.Node | None) -> bool:
+    """Nothing reads the gather's result (NOTE [unread gathers])."""
+    return wait is not None and not wait.users and list(gather.users) == [wait]
+
+
+UNREAD_GATHER = Refusal(Reason.UNREAD, "gather result never read (dropped on every rank)")
+
+
+def drop_unread(graph: fx.Graph, seeds: list[Seed]) -> None:
+    """Erase the unread gathers (``Seed.unread``), their waits, and the pad or cast before
+    them when nothing else reads it."""
+    for s in seeds:
+        if not s.unread:
+            continue
+        x = s.gather.args[0]
+        graph.erase_node(s.wait)
+        graph.erase_node(s.gather)
+        while isinstance(x, fx.Node) and x.op == "call_function" and not x.users:
+            up = x.args[0] if x.args else None
+            graph.erase_node(x)
+            x = up
 
 
 def _chain(x: fx.Node) -> tuple[list[fx.Node], fx.Node]:
@@ -432,6 +469,8 @@ def gate(graph: fx.Graph, cfg: Config, is_inference: bool | None = None) -> list
         # gather usually reads the new value, which is not the shard either).
         if whole is None and root is not None and root.op == "placeholder":
             seed.reason = _mutation_reason(root, mutated) or seed.reason
+        if whole is None and seed.weight is not None and unread(g, seed.wait):
+            seed.unread, seed.reason = True, None  # NOTE [unread gathers]: not this rank's shard
         seeds.append(seed)
     return seeds
 
@@ -536,6 +575,8 @@ def serving_refusal(gather: fx.Node, cfg: Config, *, training: bool, ph_index: d
     if wg is None:
         return Refusal(Reason.NOT_A_GRAPH_INPUT,
                        "gather input is not a parameter's shard (cast and padded at most)")
+    if unread(wg.gather, wg.wait):  # NOTE [unread gathers]: asked before the pad is
+        return UNREAD_GATHER
     if not _is_weight(wg.weight, ph_index[wg.weight]):
         return Refusal(Reason.NOT_A_PARAMETER, "gather input is a graph input that is not a parameter")
     if training and not cfg.training:

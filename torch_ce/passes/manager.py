@@ -61,14 +61,17 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
         return None
     rec = report.new_graph(config.transport)
     refused_whole = gate_mod.graph_reason(graph, is_inference, config)
-    p = plan_mod.plan(seeds, whole_graph_refused=refused_whole is not None)
+    # NOTE [unread gathers] in gate.py: dropped on every rank before anything is planned.
+    gate_mod.drop_unread(graph, seeds)
+    live = [s for s in seeds if not s.unread]
+    p = plan_mod.plan(live, whole_graph_refused=refused_whole is not None)
     # A training forward refreshes its staging slots; its backward only reads them.
     bind_node = rewrite_mod.rewrite(graph, p, refresh=not gate_mod.is_backward_graph(graph))
     # NOTE [row gathers] in rows.py: the row-gathered weights' gathers leave the graph.
     # Not in training graphs yet: a row gather would have to read the staging slot.
-    row_weights = rows_mod.find(seeds) if config.row_gathers and not p.staged else []
+    row_weights = rows_mod.find(live) if config.row_gathers and not p.staged else []
     gone = rows_mod.rewrite(graph, row_weights)
-    kept = [s for s in seeds if id(s) not in gone]
+    kept = [s for s in live if id(s) not in gone]
     buckets = [] if refused_whole else bucket_mod.bucket(graph, kept, config)
     # Cross-call prefetch parks gathers for the next call: stale after an optimizer step.
     pf_node, pf_what = (None, "off") if p.staged else prefetch_mod.insert_prefetch(graph, buckets, config)
@@ -83,13 +86,15 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
         rows.setdefault(key, []).append(s)
     row_of = {rw.weight: rw for rw in row_weights}
     for key, ss in rows.items():
-        ok = [s for s in ss if s.eligible]
+        ok = [s for s in ss if s.eligible and not s.unread]
         name, param = getattr(key, "name", str(key)), param_names.param_name(key)
         # NOTE [coverage bytes] in report.py: what each gather writes, by where it runs.
         ce, coll = 0, collections.Counter()
         rw = row_of.get(ok[0].shard) if ok else None
         for s in ss:
             nb = s.nbytes * s.group_size
+            if s.unread:  # dropped: nothing gathered
+                continue
             if not s.eligible:
                 coll[str(s.reason)] += nb
             elif rw is None or rw.reason is not None:
@@ -108,8 +113,8 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
                 cast_slot=str(ok[0].stage_dtype).removeprefix("torch.") if ok[0].cast_slot else None,
                 padded_rows=ok[0].padded_rows or None))
         else:
-            rec.refused.append(report.RefusedWeight(**common, reason=str(ss[0].reason),
-                                                    code=int(ss[0].reason.code)))
+            why = next((s.reason for s in ss if not s.unread), None) or gate_mod.UNREAD_GATHER
+            rec.refused.append(report.RefusedWeight(**common, reason=str(why), code=int(why.code)))
     for b in buckets:
         rec.buckets.append(dict(kind="ce" if b.bound else "collective",
                                 members=[m.shard.name for m in b.members], bytes=b.nbytes))

@@ -48,6 +48,8 @@ class Reason(enum.IntEnum):
     ROWS_OTHER_READ = 32
     ROWS_MAX_NORM = 33
     ROWS_CAST = 35
+    # A weight gather whose result nothing reads: dropped on every rank (gate.unread).
+    UNREAD = 36
     # Placement and process-group facts (bind only).
     PLACEMENT = 40
     NO_GROUP = 41
