@@ -39,6 +39,7 @@ def test_training_imports_are_stubbed():
         pp.pipeline_llm()
 
 
+@pytest.mark.slow  # default suite under 15 min on 2 cores: the zoo models' gathers run in test_zoo_matrix's default case
 def test_e2e_zoo_model_on_cpu(tmp_path):
     rc = e2e.main(["--device", "cpu", "--model", "llama3_8b", "--layers", "1", "--dim", "128", "--vocab", "256",
                    "--tokens", "16", "--variants", "nccl,ce,bound", "--iters", "1", "--warmup", "0", "--trace",

@@ -23,8 +23,10 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-def _joint(local_rows: int, rows: int, world: int = 3, cols: int = 4, cast: bool = False) -> fx.Graph:
-    """primals_1 (this rank's shard) [-> cast] [-> pad] -> all_gather -> wait [-> slice]."""
+def _joint(local_rows: int, rows: int, world: int = 3, cols: int = 4, cast: bool = False,
+           unread: bool = False) -> fx.Graph:
+    """primals_1 (this rank's shard) [-> cast] [-> pad] -> all_gather -> wait [-> slice];
+    ``unread``: nothing reads the wait (the graph returns the shard)."""
     ceil = -(-rows // world)
     g = fx.Graph()
     w = g.placeholder("primals_1")
@@ -42,6 +44,9 @@ def _joint(local_rows: int, rows: int, world: int = 3, cols: int = 4, cast: bool
     wt = g.call_function(c10d.wait_tensor.default, (ag,))
     wt.meta["val"] = ag.meta["val"]
     out = wt
+    if unread:
+        g.output(w)
+        return g
     if world * ceil != rows:
         out = g.call_function(aten.slice.Tensor, (wt, 0, 0, rows))
         out.meta["val"] = torch.empty(rows, cols, dtype=dtype)
@@ -113,6 +118,24 @@ def test_served_uneven_is_tagged_on_every_rank_pad_included():
 
 def _gate_verdicts(g: fx.Graph, cfg: Config, is_inference: bool):
     return [None if s.reason is None else s.reason.code for s in gate.gate(g, cfg, is_inference)]
+
+
+def test_unread_gather_is_dropped_on_every_rank():
+    """NOTE [unread gathers]: a gather nobody reads, uneven (only the short ranks pad) or
+    even, cast or not: untagged for the reshard and dropped by the gate on every rank."""
+    for cast in (False, True):
+        for training in (True, False):
+            cfg = Config(host_transport=True, training=True, cast_slots=True)
+            for rows in (6, 7, 2):
+                for n in _shards(rows):
+                    g = _joint(n, rows, cast=cast, unread=True)
+                    ctx = (cast, training, rows, n)
+                    assert _verdict(g, cfg) == Reason.UNREAD, ctx
+                    assert _tags(g, cfg) == [], ctx
+                    seeds = gate.gate(g, cfg, is_inference=not training)
+                    assert [s.unread for s in seeds] == [True], ctx
+                    gate.drop_unread(g, seeds)
+                    assert [x.op for x in g.nodes] == ["placeholder", "output"], (ctx, list(g.nodes))
 
 
 def test_serving_refusal_is_the_gates_verdict():

@@ -310,6 +310,7 @@ def _rank_variants(rank, world, seed, cache):
     return ref, ce
 
 
+@pytest.mark.slow  # default suite under 15 min on 2 cores: training on the copy engines runs in test_delayed_rank and the zoo case
 def test_accumulation_frozen_optimizer_in_backward(tmp_path):
     res = run_ranks(_rank_variants, WORLD, seed_base(), str(tmp_path), timeout=300)
     for rank, (ref, ce) in enumerate(res):
@@ -385,6 +386,7 @@ def _rank_inference_first(rank, world, seed, cache):
         return str(e)
 
 
+@pytest.mark.slow  # default suite under 15 min on 2 cores: one error path of 2 compiled runs
 def test_weights_bound_in_place_cannot_train(tmp_path):
     """A weight an inference graph bound in place is read with no fence: training it would
     let the optimizer write a window peers read. Every rank raises, naming the weight."""
