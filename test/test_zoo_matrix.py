@@ -16,9 +16,10 @@ Each case has a timeout (``Case.timeout``); on a hang the harness prints every r
 Python stacks before killing them (test/mp_harness.py).
 
 Cost: compiling dominates (two compiled runs per case, Dynamo and Inductor's C++ kernels;
-the kernels are shared by the cases of a session). Measured on the 2 shared cores (load
-15-25) of the development machine: 5-9 min a case, a 2-rank inference case ~100 s on
-lightly loaded cores.
+the kernels are shared by the cases of a session): on the 2 cores of the development
+machine ~60 s for a 3-rank inference case and ~100 s for the 3-rank training default; the
+whole matrix takes about 1.5 hours there, or ~15 minutes on 16 cores, 8 cases at a time
+(bench/results/zoo_matrix_cpu.txt).
 """
 from __future__ import annotations
 
