@@ -52,6 +52,14 @@ def numel(val) -> int | None:
         return None
 
 
+def erase_unread_chain(graph: fx.Graph, node) -> None:
+    """Erase ``node`` and then its producers while nothing reads them (a pad, a cast)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and not node.users:
+        up = node.args[0] if node.args else None
+        graph.erase_node(node)
+        node = up
+
+
 def last_placeholder(graph: fx.Graph) -> fx.Node | None:
     last = None
     for n in graph.nodes:

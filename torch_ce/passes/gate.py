@@ -83,7 +83,8 @@ class Seed:
     pad: fx.Node | None = None  # this rank's pad before the gather (a short rank), if any
     # An inference graph's cast gather served by a cast slot (never refreshed).
     cast_slot: bool = False
-    # NOTE [unread gathers]: nothing reads this weight gather's result; the passes drop it.
+    # NOTE [unread gathers]: nothing reads this weight gather's result; the passes drop it
+    # (its reason is ``UNREAD_GATHER``).
     unread: bool = False
 
     @property
@@ -234,10 +235,7 @@ def drop_unread(graph: fx.Graph, seeds: list[Seed]) -> None:
         x = s.gather.args[0]
         graph.erase_node(s.wait)
         graph.erase_node(s.gather)
-        while isinstance(x, fx.Node) and x.op == "call_function" and not x.users:
-            up = x.args[0] if x.args else None
-            graph.erase_node(x)
-            x = up
+        U.erase_unread_chain(graph, x)
 
 
 def _chain(x: fx.Node) -> tuple[list[fx.Node], fx.Node]:
@@ -470,7 +468,8 @@ def gate(graph: fx.Graph, cfg: Config, is_inference: bool | None = None) -> list
         if whole is None and root is not None and root.op == "placeholder":
             seed.reason = _mutation_reason(root, mutated) or seed.reason
         if whole is None and seed.weight is not None and unread(g, seed.wait):
-            seed.unread, seed.reason = True, None  # NOTE [unread gathers]: not this rank's shard
+            # NOTE [unread gathers]: the verdict is the graph's, not this rank's shard.
+            seed.unread, seed.reason = True, UNREAD_GATHER
         seeds.append(seed)
     return seeds
 

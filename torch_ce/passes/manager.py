@@ -86,7 +86,7 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
         rows.setdefault(key, []).append(s)
     row_of = {rw.weight: rw for rw in row_weights}
     for key, ss in rows.items():
-        ok = [s for s in ss if s.eligible and not s.unread]
+        ok = [s for s in ss if s.eligible]
         name, param = getattr(key, "name", str(key)), param_names.param_name(key)
         # NOTE [coverage bytes] in report.py: what each gather writes, by where it runs.
         ce, coll = 0, collections.Counter()
@@ -113,7 +113,7 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
                 cast_slot=str(ok[0].stage_dtype).removeprefix("torch.") if ok[0].cast_slot else None,
                 padded_rows=ok[0].padded_rows or None))
         else:
-            why = next((s.reason for s in ss if not s.unread), None) or gate_mod.UNREAD_GATHER
+            why = next((s.reason for s in ss if not s.unread), ss[0].reason)  # a live gather's first
             rec.refused.append(report.RefusedWeight(**common, reason=str(why), code=int(why.code)))
     for b in buckets:
         rec.buckets.append(dict(kind="ce" if b.bound else "collective",

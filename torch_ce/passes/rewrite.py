@@ -86,15 +86,8 @@ def _retarget_padded(graph: fx.Graph, s, shard: fx.Node) -> None:
     s.gather.target = U.magi.ce_all_gather_padded.default
     s.gather.args = (shard, s.padded_rows, *s.gather.args[1:])
     s.shard = shard
-    _erase_dead(graph, old)
+    U.erase_unread_chain(graph, old)
 
-
-def _erase_dead(graph: fx.Graph, node) -> None:
-    """Erase ``node`` and then its producers while nothing reads them (a pad, a cast)."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and not node.users:
-        up = node.args[0] if node.args else None
-        graph.erase_node(node)
-        node = up
 
 
 def _head_step(graph: fx.Graph, target, shards, staged: bool, *extra, after=None) -> fx.Node:

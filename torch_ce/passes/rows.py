@@ -22,8 +22,9 @@ needs no wait (ops.py), so the reorder counts it as compute (inductor_lowering.p
 Decided per weight, not per gather: every eligible gather of the weight must feed only
 embedding lookups (the gathered tensor as their weight) or nothing. torchtitan's
 ``Embedding.forward`` reads its parametrized weight twice (``isinstance(self.weight,
-DTensor)``, then ``self.weight``): two gathers, the first one dead. The lookups become
-row gathers and the dead gathers are dropped: a CE gather is a one-sided read, so
+DTensor)``, then ``self.weight``): two gathers, the first one never read, which the gate
+drops on every rank before this pass (NOTE [unread gathers] in gate.py). The lookups
+become row gathers and the weight's gathers are dropped: a CE gather is a one-sided read, so
 dropping it on every rank (the decision is the graph's, the same on every rank) leaves no
 peer waiting, also when the bind falls back to the collective (the op gathers in full
 then, on every rank). A weight any other node reads (a tied LM head; an output) keeps all
