@@ -29,8 +29,14 @@ stands in for, never what a GPU run does:
   GPU's DRAM bandwidth: stand-in device numbers (``torch.utils._runtime_estimation``'s
   ``get_gpu_dram_gbps`` / ``get_device_tflops``);
 - ``cudagraph_pass`` is CUDA-only: ``--compile.disable_passes cudagraph_pass``;
+- with expert parallelism, graph_trainer's FSDP bucketing and reordering
+  (``GLOO_EP_DISABLED``), in both pipelines alike: it keeps several collectives in flight
+  (prefetched gathers, the experts' all-to-alls, the reduce-scatters), and gloo runs a
+  group's in-flight collectives on a thread pool, so two ranks can pair different ones
+  ("Received data size doesn't match expected size", then an abort; NOTE [gloo: one
+  functional collective in flight] in torch_ce/ops.py);
 - import-only stand-ins for packages absent from the CPU CI install (``torchdata``'s
-  dataloader, HF ``tokenizers`` / ``datasets``, TensorBoard, the Triton kernels of
+  dataloader, HF ``tokenizers`` / ``datasets``, TensorBoard, the Triton kernels module of
   ``torchtitan.distributed.minimal_async_ep``): the trainer's modules import them, no
   traced step calls them (each stand-in raises when called).
 """
@@ -52,6 +58,8 @@ CONFIGS = {  # family -> graph_trainer's debug config (its model replaced by the
     "deepseek_v3": ("deepseek_v3", "graph_trainer_deepseek_v3_debugmodel"),
 }
 GATHER_TARGETS = ("all_gather_into_tensor", "_pre_bucket_all_gather")
+# NOTE in the module docstring: gloo and several collectives in flight.
+GLOO_EP_DISABLED = "joint_transformer_block_bucketing_reordering_pass"
 
 
 class _Missing(types.ModuleType):
@@ -84,7 +92,7 @@ def prepare() -> None:
                       ("tokenizers", ("tokenizers",)),
                       ("datasets", ("datasets", "datasets.distributed")),
                       ("tensorboard", ("torch.utils.tensorboard",)),
-                      ("triton", ("torchtitan.distributed.minimal_async_ep",))):
+                      ("triton", ("torchtitan.distributed.minimal_async_ep.kernels",))):
         if importlib.util.find_spec(pkg) is None:
             for m in mods:
                 _stand_in(m)
@@ -156,6 +164,10 @@ def build_trainer(cfg, pdims, seed: int):
     from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
 
     mcfg = cfg.model_spec.model
+    cfg.parallelism.expert_parallel_degree = pdims.ep
+    mcfg.update_from_config(config=cfg)  # as Trainer.__init__: RoPE, the MoE sharding configs
+    if pdims.ep_enabled and not torch.cuda.is_available():
+        cfg.compile.disable_passes = [*cfg.compile.disable_passes, GLOO_EP_DISABLED]
     dev = device()
     torch.manual_seed(seed)
     with dev:

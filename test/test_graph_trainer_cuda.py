@@ -92,7 +92,17 @@ def _wrapper_rank(rank, world, seed):
             w.add_(torch.randn(w.shape, generator=gen, device=dev))
             peer.copy_(torch.randn(peer.shape, generator=gen, device=dev).to(torch.bfloat16))
     res["captured"] = getattr(gm.forward, "_cudagraph", None) is not None
+    _teardown()
     return res
+
+
+def _teardown():
+    """graph_trainer's explicit CUDA-graph teardown (its graphs hold NCCL references that
+    would keep the process group from being destroyed: Note [explicit cudagraph teardown])."""
+    from torchtitan.experiments.graph_trainer.cudagraph import cudagraph_teardown
+
+    torch.cuda.synchronize()
+    cudagraph_teardown()
 
 
 def test_stage_and_gathers_replay_under_graph_trainers_wrapper():
@@ -117,6 +127,7 @@ def _step_rank(rank, world, seed, cache):
     for pipeline in ("default", "torch_ce"):
         r = H.one_run("llama3", pdims, world, rank, seed, mode="regional", pipeline=pipeline)
         out[pipeline] = r
+    _teardown()
     return out
 
 
