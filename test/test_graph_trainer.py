@@ -311,3 +311,28 @@ def test_bucketed_gathers_are_counted():
     cov = torch_ce.explain().coverage().total
     assert cov.ce_bytes == 0 and cov.collective_bytes == 320 and OPTION in str(census.BUCKETED), cov
     report.clear()
+
+
+def test_joint_graph_detection():
+    """NOTE [a joint graph is never an inference graph] in passes/census.py: backward nodes,
+    or a reduce-scatter over the group the weights are gathered over, make a joint graph; a
+    reduce-scatter over another group (tensor parallelism) does not."""
+    import torch.fx as fx
+
+    from torch_ce.passes import census
+
+    c10d = torch.ops._c10d_functional
+
+    def graph(rs_group, backward=False):
+        g = fx.Graph()
+        w, x = g.placeholder("w"), g.placeholder("x")
+        ag = g.call_function(c10d.all_gather_into_tensor.default, (w, 2, "fsdp"))
+        rs = g.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", 2, rs_group))
+        if backward:
+            rs.meta["autograd_backward"] = True
+        g.output((ag, rs))
+        return g
+
+    assert census.is_joint_graph(graph("fsdp"))
+    assert not census.is_joint_graph(graph("tp"))
+    assert census.is_joint_graph(graph("tp", backward=True))

@@ -22,8 +22,8 @@ grad, so Inductor compiles it with ``is_inference=True``. Taken as an inference 
 weights would be bound in place (the optimizer then writes a window peers read with no
 fence) or read from cast slots made once (stale after the first optimizer step). A graph
 that holds backward nodes (``meta["autograd_backward"]``, what make_fx and Dynamo set when
-tracing ``torch.autograd.grad``) or gradient reduce-scatters is a training graph, whatever
-the flag says (``is_joint_graph``): its gathers read staging slots refreshed between the
+tracing ``torch.autograd.grad``) or gradient reduce-scatters (over the group it gathers
+weights over) is a training graph, whatever the flag says (``is_joint_graph``): its gathers read staging slots refreshed between the
 step fences (NOTE [training: staged windows and step fences] in runtime/staging.py).
 """
 from __future__ import annotations
@@ -61,8 +61,7 @@ _OUT = _ops(("_c10d_functional.all_gather_into_tensor_out",))
 _COALESCED = _ops(("_c10d_functional.all_gather_into_tensor_coalesced",))
 _PRE_BUCKET = _ops(("bucketing._pre_bucket_all_gather",))
 _REDUCE_SCATTER = _ops(("_c10d_functional.reduce_scatter_tensor",),
-                       ("_c10d_functional.reduce_scatter_tensor_coalesced",),
-                       ("bucketing._pre_bucket_reduce_scatter",))
+                       ("_c10d_functional.reduce_scatter_tensor_coalesced",))
 _AUTO_FUNCTIONALIZED = {getattr(torch.ops.higher_order, n, None) for n in
                         ("auto_functionalized", "auto_functionalized_v2")} - {None}
 
@@ -78,13 +77,21 @@ class Member:
 
 
 def is_joint_graph(graph: fx.Graph) -> bool:
-    """A forward + backward graph (NOTE [a joint graph is never an inference graph])."""
+    """A forward + backward graph (NOTE [a joint graph is never an inference graph]): a
+    node traced in the backward, or a reduce-scatter over a group that the graph also
+    gathers weights over (FSDP's gradients; a tensor-parallel reduce-scatter is on another
+    group)."""
+    gather_groups, scatter_groups = set(), set()
     for n in graph.nodes:
         if n.op != "call_function":
             continue
-        if n.meta.get("autograd_backward", False) or n.target in _REDUCE_SCATTER:
+        if n.meta.get("autograd_backward", False):
             return True
-    return False
+        if n.target in _REDUCE_SCATTER and len(n.args) > 3:
+            scatter_groups.add(str(n.args[3]))
+        elif (U.is_all_gather(n) or n.target in _OUT | _COALESCED) and len(n.args) > 2:
+            gather_groups.add(str(n.args[2]))
+    return bool(gather_groups & scatter_groups)
 
 
 def source_of(x) -> fx.Node | None:
