@@ -30,11 +30,11 @@ stands in for, never what a GPU run does:
   ``get_gpu_dram_gbps`` / ``get_device_tflops``);
 - ``cudagraph_pass`` is CUDA-only: ``--compile.disable_passes cudagraph_pass``;
 - with expert parallelism, graph_trainer's FSDP bucketing and reordering
-  (``GLOO_EP_DISABLED``), in both pipelines alike: it keeps several collectives in flight
-  (prefetched gathers, the experts' all-to-alls, the reduce-scatters), and gloo runs a
-  group's in-flight collectives on a thread pool, so two ranks can pair different ones
-  ("Received data size doesn't match expected size", then an abort; NOTE [gloo: one
-  functional collective in flight] in torch_ce/ops.py);
+  (``GLOO_EP_DISABLED``), in both pipelines alike: its schedule keeps several collectives
+  in flight (prefetched gathers, reduce-scatters, beside the experts' all-to-alls), which
+  gloo does not survive (its default pipeline aborted on 4 CPU ranks with "Received data
+  size doesn't match expected size"; NOTE [gloo: one functional collective in flight] in
+  torch_ce/ops.py);
 - import-only stand-ins for packages absent from the CPU CI install (``torchdata``'s
   dataloader, HF ``tokenizers`` / ``datasets``, TensorBoard, the Triton kernels module of
   ``torchtitan.distributed.minimal_async_ep``): the trainer's modules import them, no
