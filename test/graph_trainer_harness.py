@@ -231,9 +231,10 @@ def gathers_left(gm) -> list[str]:
 
 
 def one_run(family, pdims, world, rank, seed, *, mode, pipeline, enable=False, experts=4,
-            param_dtype="bfloat16", layers=2) -> dict:
+            param_dtype="bfloat16", layers=2, disable=()) -> dict:
     """Build, trace, pass, and train ``STEPS`` steps: losses, the gathers left in the final
-    FX graph, explain()'s coverage of this run, the seconds it took."""
+    FX graph, explain()'s coverage of this run, the seconds it took. ``disable``: more
+    graph_trainer passes to leave out (``--compile.disable_passes``)."""
     import torch.distributed as dist
     import torch_ce
     from torch_ce import report
@@ -246,6 +247,7 @@ def one_run(family, pdims, world, rank, seed, *, mode, pipeline, enable=False, e
     try:
         cfg = graph_trainer_config(family, mode=mode, pipeline=pipeline, experts=experts,
                                    param_dtype=param_dtype, layers=layers)
+        cfg.compile.disable_passes = [*cfg.compile.disable_passes, *disable]
         tr, net = build_trainer(cfg, pdims, seed)
         losses = train(tr, net, batches(cfg.model_spec.model.vocab_size, world, rank, seed), world)
         gm = tr._traced_step.gm
@@ -307,8 +309,8 @@ def _misclassified_pass(gm, example_inputs, *, facts, seen):
 
 
 def register_misclassified_pipeline(seen: dict) -> None:
-    """A test pipeline: graph_trainer's default list without its FSDP bucketing (the issue's
-    "full Inductor, bucketing off" case: the joint graph reaches Inductor with its
+    """A test pipeline: graph_trainer's default list without its FSDP bucketing (as with
+    full Inductor and the bucketing pass disabled, the joint graph reaches Inductor with its
     per-weight gathers) and ``_misclassified_pass`` where Inductor would get the graph."""
     import functools
 

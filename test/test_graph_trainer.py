@@ -13,7 +13,9 @@ CPU kernel under SAC, the bucketer's Triton device query, ``cudagraph_pass``):
   dense fsdp mesh, expert parallelism off: test/test_graph_trainer_zoo.py runs EP) with
   regional Inductor (``CASES``; Qwen3-MoE with full Inductor is ``SLOW_CASES``: a second
   full compile of a joint graph costs ~2 minutes of CPU per rank): graph_trainer's default
-  pipeline (the reference) and the torch_ce pipeline: the losses bit-identical, >= 99% of
+  pipeline (the reference; for Qwen3-MoE under full Inductor its run without its FSDP
+  bucketing, ``UNBUCKETED_REFERENCE`` says why) and the torch_ce pipeline: the losses
+  bit-identical, >= 99% of
   the gathered weight bytes on the copy engines by ``explain().coverage()``, no weight
   all-gather of any form left in the final FX graph (regional), ``explain()`` naming the
   weights by graph_trainer's state FQNs;
@@ -52,6 +54,15 @@ OPTION = "--compile.pass_pipeline torch_ce"
 # (~2 more minutes of CPU per rank).
 CASES = (("llama3", "regional", 2), ("llama3", "full", 2), ("qwen3_moe", "regional", 2))
 SLOW_CASES = (("qwen3_moe", "full", 2),)
+# Full Inductor compiles the whole step, and its fused kernels' numerics depend on where the
+# gathered weights come from: views of graph_trainer's bucket buffers (its default) or one
+# output per gather (torch_ce's, and graph_trainer's own with its FSDP bucketing off). For
+# Qwen3-MoE the two differ in the last bits of some gradients at step 0 and so in the
+# losses from step 1, with or without torch_ce; torch_ce's losses are graph_trainer's
+# without bucketing bit for bit. Such cases are compared with that reference, and their
+# first loss (before any gradient counts) with the bucketed default's.
+UNBUCKETED_REFERENCE = {("qwen3_moe", "full")}
+BUCKETING = "joint_transformer_block_bucketing_reordering_pass"
 
 
 def _ranks(rank, world, seed, cache, cases, extras):
@@ -68,6 +79,9 @@ def _ranks(rank, world, seed, cache, cases, extras):
         for pipeline in ("default", "torch_ce"):
             out["runs"][(fam, mode, pipeline)] = H.one_run(fam, pdims, world, rank, seed, mode=mode,
                                                             pipeline=pipeline, layers=layers)
+        if (fam, mode) in UNBUCKETED_REFERENCE:
+            out["runs"][(fam, mode, "default unbucketed")] = H.one_run(
+                fam, pdims, world, rank, seed, mode=mode, pipeline="default", layers=layers, disable=(BUCKETING,))
     if extras:
         out["census"] = H.one_run("llama3", pdims, world, rank, seed, mode="regional", pipeline="default",
                                   enable=True)
@@ -106,6 +120,11 @@ def case_failures(results, case) -> list[str]:
     case = case[:2]
     for rank, r in enumerate(results):
         ref, ce = r["runs"][(*case, "default")], r["runs"][(*case, "torch_ce")]
+        if case in UNBUCKETED_REFERENCE:
+            if not torch.equal(ref["losses"][0], ce["losses"][0]):
+                bad.append(f"rank {rank} step 0: loss {float(ce['losses'][0])!r} != default pipeline's "
+                           f"{float(ref['losses'][0])!r}")
+            ref = r["runs"][(*case, "default unbucketed")]
         if len(ce["losses"]) != H.STEPS:
             bad.append(f"rank {rank}: {len(ce['losses'])} losses")
         for i, (a, b) in enumerate(zip(ref["losses"], ce["losses"])):
