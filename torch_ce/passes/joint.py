@@ -58,6 +58,7 @@ from . import param_names
 
 log = logging.getLogger("torch_ce")
 
+
 @dataclasses.dataclass
 class JointFacts:
     """What the tracer knows about a joint graph's flat inputs (NOTE [joint graphs: facts
