@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - older torch: gate.graph_reason falls b
 
 from .. import report
 from ..config import config
-from . import bucket as bucket_mod
+from . import bucket as bucket_mod, fx_utils
 from . import gate as gate_mod, param_names, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
 from . import rows as rows_mod
 from .identity import identity
@@ -56,6 +56,7 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     (copy_engine)."""
     if config.transport != "copy_engine":
         return None
+    fx_utils.merge_waits(graph)  # NOTE [one gather, several waits] in fx_utils.py
     seeds = gate_mod.gate(graph, config, is_inference)
     if not seeds:
         return None
