@@ -8,6 +8,12 @@
   ``runtime.cost_model``, never a module that opens windows, binds, gathers or measures
   (``runtime.calibration`` runs gathers; a compile
   pass that did would run collectives at compile time, which hangs on an FX-cache hit).
+* ``torch_ce/runtime/`` reads one way down: no module of it imports a sibling that imports
+  it back, directly or through other siblings, at module level or inside a function
+  (``native`` wraps the C++ library and imports only ``toolchain`` and ``eligibility``;
+  ``gather``, which chooses the kernels, imports ``native`` and ``windows`` and neither
+  imports it). A loop is how a reader following one lookup went gather -> native ->
+  gather -> windows.
 * The fenced block under "## Layout" in docs/DESIGN.md names every file of
   ``git ls-files torch_ce csrc`` and nothing that does not exist.
 """
@@ -67,6 +73,66 @@ def runtime_violations(rel_path: str, source: str | None = None) -> list[str]:
 def passes_violations(rel_path: str, source: str | None = None) -> list[str]:
     return [f"{rel_path}:{ln} imports {m}" for ln, m in imported(rel_path, source)
             if _under(m, "torch_ce.runtime") and not any(_under(m, p) for p in PASSES_MAY_USE)]
+
+
+def runtime_siblings(sources: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """Module name -> the sibling modules of ``torch_ce/runtime/`` it imports, anywhere in
+    the file. ``sources``: ``{"runtime/x.py": text}`` in place of the files on disk."""
+    if sources is None:
+        sources = {rel: None for rel in _modules("runtime")}
+    names = {os.path.basename(rel)[:-3] for rel in sources} - {"__init__"}
+    out = {}
+    for rel, text in sources.items():
+        me = os.path.basename(rel)[:-3]
+        if me == "__init__":
+            continue
+        found = {m.split(".")[2] for _, m in imported(rel, text) if _under(m, "torch_ce.runtime")
+                 and m.count(".") >= 2}
+        out[me] = (found & names) - {me}
+    return out
+
+
+def runtime_loops(sources: dict[str, str] | None = None) -> list[str]:
+    """Each import of a sibling that leads back to the importer, as its shortest loop
+    ("gather -> native -> gather"); [] when the run time reads one way down."""
+    graph = runtime_siblings(sources)
+    loops = []
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            paths, seen = [[b]], {b}  # breadth first from b, back to a
+            while paths:
+                path = paths.pop(0)
+                if path[-1] == a:
+                    loops.append(" -> ".join([a, *path]))
+                    break
+                for n in sorted(graph.get(path[-1], ())):
+                    if n not in seen:
+                        seen.add(n)
+                        paths.append([*path, n])
+    return loops
+
+
+def test_runtime_reads_one_way_down():
+    assert not runtime_loops()
+    # The leaf over the C++ library: which kernel serves is chosen above it (gather.py).
+    assert runtime_siblings()["native"] <= {"toolchain", "eligibility"}
+
+
+def test_the_loop_check_catches_loops():
+    """Direct and longer loops, through module-level, in-function and from-imports."""
+    two = {"runtime/gather.py": "from . import native\nfrom .windows import Slot\n",
+           "runtime/windows.py": "def f():\n    from . import native\n",
+           "runtime/native.py": "def g():\n    from . import gather, windows\n"}
+    assert runtime_loops(two) == ["gather -> native -> gather", "gather -> windows -> native -> gather",
+                                  "native -> gather -> native", "native -> windows -> native",
+                                  "windows -> native -> windows"]
+    three = {"runtime/a.py": "import torch_ce.runtime.b\n", "runtime/b.py": "from .c import x\n",
+             "runtime/c.py": "from torch_ce.runtime import a\n", "runtime/__init__.py": "from . import a\n"}
+    assert runtime_loops(three) == ["a -> b -> c -> a", "b -> c -> a -> b", "c -> a -> b -> c"]
+    down = {"runtime/gather.py": "from . import native, windows\n",
+            "runtime/windows.py": "from . import native\nfrom ..config import config\n",
+            "runtime/native.py": "from . import toolchain\nfrom .. import runtime\n"}
+    assert runtime_loops(down) == []
 
 
 @pytest.mark.parametrize("rel_path", _modules("runtime"))
