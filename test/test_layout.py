@@ -14,6 +14,11 @@
   ``gather``, which chooses the kernels, imports ``native`` and ``windows`` and neither
   imports it). A loop is how a reader following one lookup went gather -> native ->
   gather -> windows.
+* ``runtime/native.py`` holds every call of the C++ library: no other module of
+  ``torch_ce/`` names ``torch.ops.torch_ce_native`` (an attribute, an import or the
+  library's name as a string, as ``getattr(torch.ops, "torch_ce_native")``; prose in a
+  docstring is not a call). A kernel choice reaches the library through ``native.*`` only.
+  Tests and benches outside the package may call it.
 * The fenced block under "## Layout" in docs/DESIGN.md names every file of
   ``git ls-files torch_ce csrc`` and nothing that does not exist.
 """
@@ -161,6 +166,67 @@ def test_the_import_checks_catch_violations():
     assert len(passes_violations("passes/x.py", "from ..runtime.calibration import calibrate\n")) == 1
     assert not passes_violations("passes/x.py", "from ..runtime.cost_model import curve_for\n"
                                                 "from ..runtime import eligibility\n")
+
+
+# ---------------------------------------------------------------------------------------
+# The C++ library's calls: runtime/native.py only
+# ---------------------------------------------------------------------------------------
+
+NATIVE_LIBRARY = "torch_ce_native"
+NATIVE_LEAF = os.path.join("runtime", "native.py")
+
+
+def _package_modules() -> list[str]:
+    out = []
+    for d, subdirs, files in os.walk(PKG):
+        subdirs[:] = sorted(s for s in subdirs if s != "__pycache__")
+        out += [os.path.relpath(os.path.join(d, f), PKG) for f in sorted(files) if f.endswith(".py")]
+    return out
+
+
+def native_library_uses(rel_path: str, source: str | None = None) -> list[str]:
+    """Each place where ``torch_ce/<rel_path>`` reaches the C++ library's ops, as
+    "path:line what" in line order: an attribute ``torch_ce_native``
+    (``torch.ops.torch_ce_native``, through any alias), an import of that name, or a
+    string that is the library's name or one of its ops (``"torch_ce_native"``,
+    ``"torch_ce_native::gather_rows"``)."""
+    if source is None:
+        with open(os.path.join(PKG, rel_path)) as f:
+            source = f.read()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == NATIVE_LIBRARY:
+            found.append((node.lineno, f".{NATIVE_LIBRARY}"))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            if any(NATIVE_LIBRARY in n.split(".") for n in names):
+                found.append((node.lineno, f"imports {NATIVE_LIBRARY}"))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and (node.value == NATIVE_LIBRARY or node.value.startswith(NATIVE_LIBRARY + "::"))):
+            found.append((node.lineno, repr(node.value)))
+    return [f"{rel_path}:{ln} {what}" for ln, what in sorted(found)]
+
+
+def test_only_native_calls_the_cpp_library():
+    assert NATIVE_LEAF in _package_modules()
+    assert native_library_uses(NATIVE_LEAF), "the check no longer sees native.py's own calls"
+    found = [u for rel in _package_modules() if rel != NATIVE_LEAF for u in native_library_uses(rel)]
+    assert not found, f"call the C++ library through runtime/native.py: {found}"
+
+
+def test_the_native_check_catches_calls():
+    """Direct, aliased, imported and by-name forms; prose mentioning the library is not a call."""
+    bad = ("import torch\n"
+           "x = torch.ops.torch_ce_native.dim_strategy()\n"
+           "def f():\n    ops = torch.ops\n    return ops.torch_ce_native.gather_bound_dim\n"
+           "g = getattr(torch.ops, 'torch_ce_native')\n"
+           "from torch.ops import torch_ce_native\n"
+           "torch.library.register_fake('torch_ce_native::gather_rows')\n")
+    assert [u.split(" ", 1)[0] for u in native_library_uses("runtime/x.py", bad)] == [
+        "runtime/x.py:2", "runtime/x.py:5", "runtime/x.py:6", "runtime/x.py:7", "runtime/x.py:8"]
+    fine = ('"""native.py holds the torch.ops.torch_ce_native calls."""\n'
+            "from . import native\nn = native.dim_strategy()\n# torch.ops.torch_ce_native\n")
+    assert native_library_uses("runtime/x.py", fine) == []
 
 
 # ---------------------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def gather_slot_dim(shard: torch.Tensor, slot: Slot, group_size: int, dim: int) 
     the caller checked), in its final layout: the C++ strided reads on CUDA (NOTE [strided
     reads] in csrc/ce_copy.h), else ``copy_peers_dim``."""
     if shard.is_cuda and native.loaded():
-        return torch.ops.torch_ce_native.gather_bound_dim([shard], group_size, [dim])[0]
+        return native.gather_bound_dim([shard], group_size, [dim])[0]
     out = shard.new_empty(gather_dim_shape(shard.shape, group_size, dim))
     copy_peers_dim(out, slot, dim)
     return out
@@ -118,12 +118,12 @@ def dim_strategy_as(name: str):
     if not native.loaded():
         yield
         return
-    prev = int(torch.ops.torch_ce_native.dim_strategy())
-    torch.ops.torch_ce_native.set_dim_strategy(DIM_STRATEGIES[name])
+    prev = native.dim_strategy()
+    native.set_dim_strategy(DIM_STRATEGIES[name])
     try:
         yield
     finally:
-        torch.ops.torch_ce_native.set_dim_strategy(prev)
+        native.set_dim_strategy(prev)
 
 
 _rows: list = []  # [path, why] once decided

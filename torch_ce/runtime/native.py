@@ -276,6 +276,24 @@ def gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int) -> torc
     return torch.ops.torch_ce_native.gather_rows(shard, ids, group_size)
 
 
+def gather_bound_dim(shards: list[torch.Tensor], group_size: int, dims: list[int]) -> list[torch.Tensor]:
+    """The C++ strided gather of bound CUDA Shard(d) shards, one gather dim per member
+    (NOTE [strided reads] in csrc/ce_copy.h; ``gather.gather_slot_dim`` chooses)."""
+    return torch.ops.torch_ce_native.gather_bound_dim(list(shards), group_size, [int(d) for d in dims])
+
+
+def dim_strategy() -> int:
+    """The C++ enum DimStrategy the Shard(d) gathers submit with now (loaded kernels only;
+    ``gather.DIM_STRATEGIES`` names the values)."""
+    return int(torch.ops.torch_ce_native.dim_strategy())
+
+
+def set_dim_strategy(strategy: int) -> None:
+    """Set it (the C++ side refuses an unknown value); ``gather.dim_strategy_as`` is the
+    scoped switch."""
+    torch.ops.torch_ce_native.set_dim_strategy(int(strategy))
+
+
 def set_split_local_copy(split: bool) -> None:
     """Copy this rank's own rows on a second copy stream (default) or inside the peer batch."""
     knobs()
