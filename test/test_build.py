@@ -65,7 +65,7 @@ def test_compile_check_fails_on_a_broken_source(tmp_path):
 def test_torch_kernels_follow_the_torch_build():
     """csrc/ce_torch.cpp links torch's CUDA libraries: built and loaded with a CUDA torch
     (and nvcc), absent with a CPU torch, where CUDA gathers stay on the collective."""
-    from torch_ce.runtime import native
+    from torch_ce.runtime import gather, native
 
     if torch.version.cuda is None or not _build_expected:
         assert native.library_path() is None
@@ -79,8 +79,8 @@ def test_torch_kernels_follow_the_torch_build():
             tool, headers, rows = native.build_info()
             assert headers == ".".join(torch.version.cuda.split(".")[:2]), (headers, torch.version.cuda)
             assert rows == ("cuda" if tool == "nvcc" else "none"), (tool, rows)
-            assert native.row_path()[0] == ("cuda" if rows == "cuda" else "triton"), native.row_path()
-            print("kernel path:", native.kernel_path("cuda"))
+            assert gather.row_path()[0] == ("cuda" if rows == "cuda" else "triton"), gather.row_path()
+            print("kernel path:", gather.kernel_path("cuda"))
     # The Python kernel is reachable under its own name either way.
     assert torch.ops.torch_ce.gather_python.default is not None
 

@@ -255,15 +255,12 @@ def _weights(graphs, binds) -> list[WeightRow]:
 
 
 def _kernel_paths(device_types) -> dict:
-    from .runtime import native
+    from .runtime.gather import kernel_path
 
-    fn = getattr(native, "kernel_path", None)  # present once the runtime reports it
-    if fn is None:
-        return {}
     out = {}
     for dev in sorted(device_types):
         try:
-            out[dev] = fn(dev)
+            out[dev] = kernel_path(dev)
         except Exception as e:  # noqa: BLE001 (a report must not raise)
             out[dev] = f"unknown ({e})"
     return out
