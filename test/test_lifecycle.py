@@ -649,7 +649,8 @@ _REORDER_KEYS = {"reorder_for_compute_comm_overlap", "reorder_for_compute_comm_o
                  "estimate_op_runtime"}
 _OFF_KEYS = {"reorder_for_locality", "bucket_all_gathers_fx",
              "aten_distributed_optimizations.enable_overlap_scheduling",
-             "aten_distributed_optimizations.enable_low_contention_collectives"}
+             "aten_distributed_optimizations.enable_low_contention_collectives",
+             "aten_distributed_optimizations.enable_simple_overlap"}
 
 
 def _installed(ic):
