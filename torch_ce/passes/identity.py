@@ -90,10 +90,7 @@ def identity(config) -> str:
 def rank_view() -> str:
     """The per-rank facts of the graph being compiled (NOTE [a cache shared by ranks]):
     "" when it has no DTensor input (its key already says everything), else a digest."""
-    import torch
-
-    tc = torch._guards.TracingContext.try_get()
-    inputs = list(getattr(tc, "tensor_to_context", {}).keys()) if tc is not None else []
+    inputs = _traced_inputs()
     if not inputs:
         return _process_view()
     from torch.distributed.tensor import DTensor
@@ -103,6 +100,24 @@ def rank_view() -> str:
         if isinstance(t, DTensor):
             facts.add(dtensor_facts(t))
     return hashlib.sha256(repr(sorted(facts)).encode()).hexdigest() if facts else ""
+
+
+def _traced_inputs() -> list:
+    import torch
+
+    tc = torch._guards.TracingContext.try_get()
+    return list(getattr(tc, "tensor_to_context", {}).keys()) if tc is not None else []
+
+
+def note_mesh_dims() -> None:
+    """Note the mesh dim of each DTensor input of the graph being compiled for
+    ``explain()`` (what ``dtensor_facts`` notes). The pass asks it itself: torch 2.15 asks
+    a pass's ``uuid()`` only when a graph cache is on."""
+    from torch.distributed.tensor import DTensor
+
+    for t in _traced_inputs():
+        if isinstance(t, DTensor):
+            dtensor_facts(t)
 
 
 def dtensor_facts(t) -> tuple:

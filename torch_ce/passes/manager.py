@@ -32,7 +32,7 @@ from ..config import config
 from . import bucket as bucket_mod, fx_utils
 from . import gate as gate_mod, param_names, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
 from . import rows as rows_mod
-from .identity import identity
+from .identity import identity, note_mesh_dims
 
 log = logging.getLogger("torch_ce")
 
@@ -141,6 +141,7 @@ class TorchCEPass(_PassBase):
     """torch_ce's post-grad pass, cache-safe through ``uuid()``."""
 
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
+        note_mesh_dims()
         run_passes(graph, is_inference)
         for fn in list(_observers):
             fn(graph)
