@@ -199,13 +199,17 @@ def compile_check(nvcc, source, flags, build_temp, obj_name="ce_torch_check.o", 
 
 
 def torch_flags(torch=None):
-    """Compile flags for csrc/ against ``torch``'s headers (the CUDA headers come from the
-    toolkit nvcc brings or from toolchain.choose_headers)."""
+    """Compile flags for csrc/ against ``torch``'s headers, in the C++ standard they ask for
+    (NOTE [the C++ standard follows torch's headers] in toolchain.py; the same for nvcc, the
+    host compiler and the compile check). The CUDA headers come from the toolkit nvcc brings
+    or from toolchain.choose_headers."""
     torch = torch or torch_module()
     from torch.utils import cpp_extension
 
     incs = cpp_extension.include_paths()  # torch's own
-    return ["-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    std, where = T.cxx_standard(torch)
+    note(f"-std={std} for torch {torch.__version__} ({where})")
+    return [f"-std={std}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             *[f"-I{d}" for d in incs]]
 
 
