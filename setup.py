@@ -93,6 +93,26 @@ def torch_module():
     return torch
 
 
+def require_bdist_wheel():
+    """A bdist_wheel command, or a loud failure: pip's install without build isolation runs
+    it from this environment's setuptools (>= 70.1 has it; older ones take the wheel
+    package's). torch 2.11 lets a venv's setuptools 65 stand, which fails with "invalid
+    command 'bdist_wheel'"."""
+    try:
+        from setuptools.command.bdist_wheel import bdist_wheel  # noqa: F401  (setuptools >= 70.1)
+        return
+    except ImportError:
+        pass
+    if importlib.util.find_spec("wheel") is None:
+        import setuptools
+
+        raise SystemExit(
+            f"torch_ce: this environment's setuptools ({setuptools.__version__}) has no bdist_wheel "
+            "command and the wheel package is not installed: an install without build isolation "
+            f"needs one of them. `{os.path.basename(sys.executable)} -m pip install wheel`, then "
+            "install torch_ce again.")
+
+
 class CudaBuildExt(build_ext):
     """Builds the torch kernels (a torch op library, not a Python extension module) with
     nvcc or the host compiler against a CUDA torch, compile-checks them against a CPU
@@ -216,6 +236,7 @@ def torch_flags(torch=None):
 # Guarded so test/test_build.py can import the helpers above; setuptools runs this as
 # __main__.
 if __name__ == "__main__":
+    require_bdist_wheel()
     setup(
         name="torch_ce",
         version="0.1.0",

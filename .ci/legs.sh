@@ -8,11 +8,12 @@
 #   2.15    full default suite / of its `pip install torch==...` (CUDA wheels: csrc/ is built)
 #
 # A leg other than the README's runs the README's install line in steps: its torch (the
-# requirements file), the line's other `pip install`s, then, on a leg of the whole suite, the
-# rest of the line (the demo); then its tests. Every step prints its wall time; a failing leg does not stop the next;
-# a summary of every leg closes the run, and CI fails if any leg failed (pytest's exit 5,
-# no tests collected, is a failure). Each leg starts without the kernels a previous leg
-# built into the tree (torch_ce/runtime/_ce_torch*.so, build/): they belong to its torch.
+# requirements file), the line's other `pip install`s, then, on a leg of the whole suite,
+# the rest of the line (the demo); then its tests. Every step prints its wall and CPU
+# seconds; a failing leg does not stop the next; a summary of every leg closes the run, and
+# CI fails if any leg failed (pytest's exit 5, no tests collected, is a failure). Each leg
+# starts without the kernels a previous leg built into the tree
+# (torch_ce/runtime/_ce_torch*.so, build/): they belong to that leg's torch.
 #
 # For trying the machinery by hand (CI sets none of these):
 #   CE_CI_LEGS="2.15 2.11"          only these legs

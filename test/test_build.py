@@ -386,6 +386,18 @@ def test_the_one_command_that_builds_the_kernels(isolated):
     assert native.build_command().startswith(f"{py} -m pip install") or "then:" in native.build_command()
 
 
+def test_setup_fails_loudly_without_bdist_wheel(monkeypatch):
+    """A setuptools older than 70.1 without the wheel package (what torch 2.11 leaves in a new
+    venv) cannot install without build isolation: setup.py says which package to add instead
+    of setuptools' "invalid command 'bdist_wheel'"."""
+    S.require_bdist_wheel()  # this environment can
+    monkeypatch.setitem(sys.modules, "setuptools.command.bdist_wheel", None)  # setuptools < 70.1
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wheel" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"no bdist_wheel .* -m pip install wheel"):
+        S.require_bdist_wheel()
+
+
 def test_setup_fails_loudly_without_torch(monkeypatch):
     """A Python without torch (a `pip` of another interpreter, build isolation) fails the
     install, naming the interpreter, instead of installing nothing in 1 s."""

@@ -61,7 +61,8 @@ def test_ci_legs_cover_the_supported_torches():
         if found[release] != "README":
             req = os.path.join(ROOT, found[release])
             pins = [ln.strip() for ln in open(req) if ln.strip() and not ln.startswith("#")]
-            assert pins == [f"torch=={release}" + (".0" if release.count(".") == 1 else "")], (req, pins)
+            want = f"torch=={release}" + (".0" if release.count(".") == 1 else "")
+            assert [p for p in pins if p.startswith("torch")] == [want], (req, pins)
     fast = re.search(r'^FAST_TESTS="([^"]+)"', legs, re.M).group(1).split()
     for f in ("test/test_build.py", "test/test_no_hang.py", "test/test_uneven_host.py", "test/test_zoo_matrix.py",
               "test/test_passes_golden.py"):
