@@ -70,6 +70,15 @@ def test_importing_every_submodule_keeps_the_public_api():
         assert isinstance(torch_ce.explain(), torch_ce.explanation.Explanation)
 
 
+def test_header_names_the_transport_and_the_torch():
+    """The table's first line says which transport and which torch (a report pasted into an
+    issue says what it ran on); ``as_dict()`` carries the torch too."""
+    e = torch_ce.explain()
+    assert e.table().splitlines()[0] == (
+        f"torch_ce explain (transport={torch_ce.config.transport}, torch {torch.__version__})")
+    assert e.as_dict()["torch"] == torch.__version__
+
+
 @pytest.mark.parametrize("source,fqn", [
     ("L['self']._modules['layers']._modules['0']._modules['attention']._modules['wqkv']._parameters['weight']",
      "layers.0.attention.wqkv.weight"),
@@ -175,3 +184,5 @@ def test_explain_three_times_with_param_names(tmp_path):
                 assert gathers == want_gathers, (ctx, param, gathers)
                 assert param in s["table"], (ctx, param, s["table"])
             assert "arg0_1" not in s["table"], (ctx, s["table"])
+            head = f"torch_ce explain (transport=copy_engine, torch {torch.__version__})"
+            assert s["table"].splitlines()[0] == head, (ctx, s["table"])
