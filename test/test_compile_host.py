@@ -42,7 +42,7 @@ def _run(rank, world, cache_root, seed):
     model, eager, d_in = _model(world, seed)
     torch_ce.enable(transport="copy_engine")
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         outs = []
         with torch.no_grad():
             for i in range(3):  # fresh random inputs each call (same on every rank)

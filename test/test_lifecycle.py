@@ -287,7 +287,7 @@ def _rank_recompile(rank, ws, cache_root, phase):
         ))
 
     try:
-        c = torch.compile(f)
+        c = torch.compile(f, fullgraph=True)
         step("first", c, 0)
         gc.collect()
         old_expired = [w.expired() for w in old]
@@ -295,13 +295,13 @@ def _rank_recompile(rank, ws, cache_root, phase):
         step("new shape", c, 1)  # recompile (automatic dynamic)
         step("another shape", c, 2)
         torch._dynamo.reset()
-        step("dynamic=True", torch.compile(f, dynamic=True), 3)
+        step("dynamic=True", torch.compile(f, dynamic=True, fullgraph=True), 3)
         torch._dynamo.reset()
-        step("after reset", torch.compile(f), 0)
+        step("after reset", torch.compile(f, fullgraph=True), 0)
         # Teardown mid-job: forget every window; the next run binds into new ones.
         dist.barrier()
         torch_ce.release_all()
-        step("after release_all", c if phase else torch.compile(f), 0)
+        step("after release_all", c if phase else torch.compile(f, fullgraph=True), 0)
     finally:
         torch_ce.disable()
     return dict(steps=steps, old_expired=old_expired)
@@ -400,7 +400,7 @@ def _rank_groups(rank, ws, cache_root):
         eager = [f(x) for x in xs]
     torch_ce.enable(transport="copy_engine")
     try:
-        compiled = torch.compile(f)
+        compiled = torch.compile(f, fullgraph=True)
         with torch.no_grad():
             outs = [compiled(x) for x in xs]
     finally:

@@ -42,7 +42,7 @@ def _run(rank, world, seed, cache_root):
     prefetch.reset_stats()
     res: dict = dict(exact=[], stats=[])
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with torch.no_grad():
             def call(i):
                 torch.manual_seed(seed + 100 + i)  # fresh input, same on every rank

@@ -122,7 +122,7 @@ def _rank_fp32(rank, world_size, seed, cache_dir):
     report.clear()
     torch_ce.enable(transport="copy_engine")
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with torch.no_grad():
             out0, codes = run_and_get_code(compiled, xs[0])
             # After the first run the bind step has moved every local shard into a window.
@@ -171,7 +171,7 @@ def _rank_bf16_policy(rank, world_size, seed, cache_dir, cast_slots=True):
     torch._dynamo.reset()
     torch_ce.enable(transport="copy_engine", cast_slots=cast_slots)
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with torch.no_grad():
             out, codes = run_and_get_code(compiled, x)
         code = "\n".join(codes)
@@ -212,7 +212,7 @@ def _rank_bf16_noop_policy(rank, world_size, seed, cache_dir):
     torch_ce.enable(transport="copy_engine")
     try:
         with torch.no_grad():
-            out = torch.compile(model)(x)
+            out = torch.compile(model, fullgraph=True)(x)
         rec = report.graphs[-1] if report.graphs else None
         return dict(
             exact=torch.equal(out, eager),
