@@ -59,7 +59,7 @@ def _rank_without_kernels(seed, world):
     xs = [torch.randn(5, d_in, generator=gen) for _ in range(3)]
     torch_ce.enable(transport="copy_engine")
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
             exact = [torch.equal(compiled(x), eager(x)) for x in xs]

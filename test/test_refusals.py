@@ -124,7 +124,7 @@ def _matrix(rank, ws, mesh):
     # 100 B floor: every shard here is >= 128 B except ``tiny`` (32 B).
     # cast_slots off: the cast case keeps its refusal (the switch; cast slots: test_uneven_host.py).
     torch_ce.enable(transport="copy_engine", symm_min_shard_mib=100 / 2**20, cast_slots=False)
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         out0, codes = run_and_get_code(compiled, xs[0])
         out1 = compiled(xs[1])  # second run: the bind step is a no-op
@@ -174,7 +174,7 @@ def _host_off(rank, ws, mesh):
     torch_ce.enable(transport="copy_engine", host_transport=False, symm_min_shard_mib=0)
     try:
         with torch.no_grad():
-            out, codes = run_and_get_code(torch.compile(f), x)
+            out, codes = run_and_get_code(torch.compile(f, fullgraph=True), x)
     finally:
         torch_ce.config.update(host_transport=True)
     recs = report.graphs[n_graphs:]
@@ -210,7 +210,7 @@ def _training(rank, ws, mesh):
     torch._dynamo.reset()
     torch_ce.enable(transport="copy_engine", symm_min_shard_mib=0, training=False)
     try:
-        out = torch.compile(f)(x, *ws_c)
+        out = torch.compile(f, fullgraph=True)(x, *ws_c)
         out.sum().backward()
     finally:
         torch_ce.config.update(training=True)
@@ -247,7 +247,7 @@ def _mutation(rank, ws, mesh):
     n_graphs = len(report.graphs)
     torch._dynamo.reset()
     torch_ce.enable(transport="copy_engine", symm_min_shard_mib=0)
-    c = torch.compile(f)
+    c = torch.compile(f, fullgraph=True)
     with torch.no_grad():
         out = [c(x, w_c) for _ in range(2)]
     recs = report.graphs[n_graphs:]
@@ -464,7 +464,7 @@ def _rank_two_d(rank, ws, cache_root):
         with torch.no_grad():
             eager = f(x)
             torch_ce.enable(transport="copy_engine")
-            out, codes = run_and_get_code(torch.compile(f), x)
+            out, codes = run_and_get_code(torch.compile(f, fullgraph=True), x)
         rec = report.graphs[-1]
         return dict(
             exact=torch.equal(out, eager),

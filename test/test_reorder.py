@@ -34,21 +34,27 @@ def fake_pg():
     dist.destroy_process_group()
 
 
+class _Weight(nn.Module):
+    def __init__(self, mesh, dim, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(distribute_tensor(torch.randn(dim, dim, dtype=dtype), mesh, [Shard(0)]),
+                                   requires_grad=False)
+
+
 class Layers(nn.Module):
-    """n layers; layer i gathers its weight(s) right before using them."""
+    """n layers; layer i gathers its weight(s) right before using them.
+
+    Nested ``nn.ModuleList``s, iterated whole: every supported torch traces this as one
+    graph (torch 2.11's Dynamo cannot slice an ``nn.ParameterList``: ``slice.indices``)."""
 
     def __init__(self, mesh, n=4, per_layer=1, dim=16, dtype=torch.float32):
         super().__init__()
-        self.ws = nn.ParameterList(
-            nn.Parameter(distribute_tensor(torch.randn(dim, dim, dtype=dtype), mesh, [Shard(0)]),
-                         requires_grad=False)
-            for _ in range(n * per_layer)
-        )
-        self.per_layer = per_layer
+        self.layers = nn.ModuleList(nn.ModuleList(_Weight(mesh, dim, dtype) for _ in range(per_layer))
+                                    for _ in range(n))
 
     def forward(self, x):
-        for i in range(0, len(self.ws), self.per_layer):
-            full = [w.redistribute(placements=[Replicate()]).to_local() for w in self.ws[i:i + self.per_layer]]
+        for layer in self.layers:
+            full = [m.weight.redistribute(placements=[Replicate()]).to_local() for m in layer]
             for f in full:
                 x = torch.relu(x @ f.t())
         return x
@@ -118,10 +124,12 @@ class ReorderTest(TestCase):
                      for seq in (before, after))
 
     def run_model(self, model, x, **cfg):
+        """The one graph's (order before, order after). fullgraph: a graph break fails here,
+        with Dynamo's reason, not later as a missing or split order."""
         torch_ce.enable(**cfg)
         with torch.no_grad():
-            torch.compile(model)(x)
-        self.assertEqual(len(self.orders), 1)
+            torch.compile(model, fullgraph=True)(x)
+        self.assertEqual(len(self.orders), 1, "the reorder should have run on exactly one graph")
         return self.orders[0]
 
     def test_ce_launch_lands_where_the_rule_says(self):
@@ -211,7 +219,8 @@ def test_invalid_order_is_rejected(monkeypatch, caplog):
     try:
         with torch._inductor.config.patch(fx_graph_cache=False), caplog.at_level(logging.WARNING, "torch_ce"):
             with torch.no_grad():
-                torch.compile(Layers(mesh, n=2))(torch.randn(4, 16))
+                torch.compile(Layers(mesh, n=2), fullgraph=True)(torch.randn(4, 16))
+        assert seen, "the reorder never ran"
         assert seen["same"] is True
         assert "not topological" in caplog.text
         assert report.graphs[-1].reorder["valid"] is False

@@ -83,8 +83,8 @@ def _rank_compiled_cuda(rank, ws, base, cache_root):
     try:
         with torch.no_grad():
             eager = model(ids)
-            got, codes = run_and_get_code(torch.compile(model), ids)
-            again = torch.compile(model)(ids.flip(1))
+            got, codes = run_and_get_code(torch.compile(model, fullgraph=True), ids)
+            again = torch.compile(model, fullgraph=True)(ids.flip(1))
             eager_again = model(ids.flip(1))
         torch.cuda.synchronize()
         return dict(exact=[torch.equal(got, eager), torch.equal(again, eager_again)],

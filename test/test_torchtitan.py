@@ -24,7 +24,6 @@ pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
 
 from mp_harness import run_ranks  # noqa: E402
 
-SHM_GLOB = "/dev/shm/torch_ce_*"
 # A call of the CE ops in Inductor's generated wrapper code (not a comment or an assert).
 CE_CALL = re.compile(r"= torch\.ops\.magi\.ce_all_gather(_coalesced)?\.default\(")
 WORLD = 2
@@ -65,10 +64,10 @@ class TinyDecoder(torch.nn.Module):
         return self.head(x)
 
 
-def _setup_child(cache_dir: str) -> None:
-    # A fresh, absolute Inductor cache per run (and no FX graph cache), so that neither
-    # rank is served code compiled elsewhere.
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+def _setup_child(cache_dir: str, rank: int) -> None:
+    # A fresh, absolute Inductor cache per run and rank (and no FX graph cache), so that
+    # neither rank is served code compiled elsewhere.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
     import torch._inductor.config as ic
 
     ic.fx_graph_cache = False
@@ -104,7 +103,7 @@ def _local_shards(model):
 
 def _rank_fp32(rank, world_size, seed, cache_dir):
     """Test (a): fp32 weights, every gather on the copy-engine (host) transport."""
-    _setup_child(cache_dir)
+    _setup_child(cache_dir, rank)
     import torch_ce
     from torch._inductor.utils import run_and_get_code
     from torch.distributed.tensor import Shard
@@ -123,7 +122,7 @@ def _rank_fp32(rank, world_size, seed, cache_dir):
     report.clear()
     torch_ce.enable(transport="copy_engine")
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with torch.no_grad():
             out0, codes = run_and_get_code(compiled, xs[0])
             # After the first run the bind step has moved every local shard into a window.
@@ -155,7 +154,7 @@ def _rank_fp32(rank, world_size, seed, cache_dir):
 def _rank_bf16_policy(rank, world_size, seed, cache_dir, cast_slots=True):
     """Test (b): fp32 weights, bf16 param_dtype: the cast precedes every gather; with
     ``cast_slots`` the gathers read a bind-time cast slot, without they stay collective."""
-    _setup_child(cache_dir)
+    _setup_child(cache_dir, rank)
     import torch_ce
     from torch._inductor.utils import run_and_get_code
     from torch_ce import report
@@ -172,7 +171,7 @@ def _rank_bf16_policy(rank, world_size, seed, cache_dir, cast_slots=True):
     torch._dynamo.reset()
     torch_ce.enable(transport="copy_engine", cast_slots=cast_slots)
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with torch.no_grad():
             out, codes = run_and_get_code(compiled, x)
         code = "\n".join(codes)
@@ -199,7 +198,7 @@ def _rank_bf16_policy(rank, world_size, seed, cache_dir, cast_slots=True):
 def _rank_bf16_noop_policy(rank, world_size, seed, cache_dir):
     """bf16 weights with param_dtype=bf16 (torchtitan's default training policy): the cast
     is a no-op, so every gather still moves to the copy engine."""
-    _setup_child(cache_dir)
+    _setup_child(cache_dir, rank)
     import torch_ce
     from torch_ce import report
     from torchtitan.experiments.graph_trainer.simple_fsdp import MixedPrecisionPolicy
@@ -213,7 +212,7 @@ def _rank_bf16_noop_policy(rank, world_size, seed, cache_dir):
     torch_ce.enable(transport="copy_engine")
     try:
         with torch.no_grad():
-            out = torch.compile(model)(x)
+            out = torch.compile(model, fullgraph=True)(x)
         rec = report.graphs[-1] if report.graphs else None
         return dict(
             exact=torch.equal(out, eager),
@@ -253,9 +252,12 @@ def results(tmp_path_factory):
     seed = random.randrange(1 << 20)
     print(f"test_torchtitan: seed {seed}")  # shown with a failure's captured output
     cache_dir = str((tmp_path_factory.mktemp("torchtitan") / "inductor").resolve())
-    before = set(glob.glob(SHM_GLOB))
+    from torch_ce.config import config
+
+    shm = f"/dev/shm/{config.shm_prefix}*"  # this test process's ranks' (conftest.py)
+    before = set(glob.glob(shm))
     res = run_ranks(_rank_all, WORLD, seed, cache_dir, timeout=TIMEOUT)
-    left = set(glob.glob(SHM_GLOB)) - before
+    left = set(glob.glob(shm)) - before
     return res, left
 
 

@@ -9,9 +9,13 @@ every module in ``MODULES``), ``config.cache_key()`` and ``rank_view()``.
 
 # NOTE [a cache shared by ranks]
 One Inductor cache dir is shared by every rank of a host by default. The cache that serves
-compiled code across ranks is AOTAutograd's (torch 2.11 and 2.13): it keys on the Dynamo
-graph, the inputs (a DTensor by its *global* spec: mesh, placements, global shape) and
-Inductor's config, where our ``uuid()`` and pickled reorder sit. Two things that change
+compiled code across ranks is AOTAutograd's (torch 2.13): it keys on the Dynamo graph,
+the inputs (a DTensor by its *global* spec: mesh, placements, global shape) and
+Inductor's config, where our ``uuid()`` and pickled reorder sit. (Torch 2.11's AOTAutograd
+cache takes no DTensor graph: its Dynamo records ``redistribute`` as a call of a local
+closure, ``prim_redistribute``, which that cache refuses, "Unsupported call_function
+target". There the FX graph cache serves the warm run, keyed on the AOT output graph: no
+rank gets another's code, and this identity changes nothing.) Two things that change
 the compiled code per rank are in none of these: the process-group names the gathers name
 (on a 2-D mesh, each host's shard group has another name) and the local shard shapes
 (uneven Shard(0)). A warm cache then served one rank another's code ("Could not resolve
