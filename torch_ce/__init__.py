@@ -32,9 +32,16 @@ def all_gather(shard, group=None):
 
 
 def enable(**overrides):
+    import sys
+
     from .passes.install import enable as _enable
 
-    return _enable(**overrides)
+    cfg = _enable(**overrides)
+    if "torchtitan.experiments.graph_trainer.registry" in sys.modules:
+        # graph_trainer runs its own pass pipelines: register torch_ce's, and observe the
+        # default one (torch_ce/integrations/torchtitan.py).
+        from .integrations import torchtitan  # noqa: F401
+    return cfg
 
 
 def disable():

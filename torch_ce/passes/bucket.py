@@ -96,7 +96,13 @@ def plan_buckets(graph: fx.Graph, seeds: list[Seed], cfg: Config) -> list[Bucket
 
 def bucket(graph: fx.Graph, seeds: list[Seed], cfg: Config) -> list[Bucket]:
     """Coalesce each multi-member bucket in place; single members stay as they are."""
-    buckets = plan_buckets(graph, seeds, cfg)
+    return coalesce(graph, plan_buckets(graph, seeds, cfg))
+
+
+def coalesce(graph: fx.Graph, buckets: list[Bucket]) -> list[Bucket]:
+    """Each multi-member (all-bound) bucket becomes one ``ce_all_gather_coalesced`` before
+    its first member's gather (every member's shard must exist there); single members
+    stay as they are. Sets ``Bucket.node``."""
     for b in buckets:
         if len(b.members) < 2:
             b.node = b.members[0].gather

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import logging
 from typing import Any, Callable, Iterator
 
@@ -29,7 +30,7 @@ except ImportError:  # pragma: no cover - older torch: gate.graph_reason falls b
 
 from .. import report
 from ..config import config
-from . import bucket as bucket_mod, fx_utils
+from . import bucket as bucket_mod, census, fx_utils as U
 from . import gate as gate_mod, param_names, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
 from . import rows as rows_mod
 from .identity import identity, note_mesh_dims
@@ -51,14 +52,41 @@ def observing(fn: Callable[[fx.Graph], None]) -> Iterator[None]:
         _observers.remove(fn)
 
 
-def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.GraphRecord | None:
+# Set while a pipeline that ran torch_ce's passes on an FX graph itself (a graph_trainer
+# pass pipeline: integrations/torchtitan.py) hands that graph to Inductor: the post-grad
+# pass then leaves it alone (it was decided and recorded once, before Inductor).
+_decided_before_inductor: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "torch_ce_decided_before_inductor", default=False)
+
+
+@contextlib.contextmanager
+def decided_before_inductor() -> Iterator[None]:
+    """Inside the block, ``TorchCEPass`` skips the graphs Inductor compiles: the caller ran
+    torch_ce's passes (or its census) on them already."""
+    token = _decided_before_inductor.set(True)
+    try:
+        yield
+    finally:
+        _decided_before_inductor.reset(token)
+
+
+def run_passes(graph: fx.Graph, is_inference: bool | None = None, *,
+               bucketer: Callable | None = None) -> report.GraphRecord | None:
     """gate -> plan -> rewrite -> rows -> bucket -> prefetch on one post-grad graph
-    (copy_engine)."""
+    (copy_engine). ``bucketer(graph, seeds, config) -> [Bucket]`` replaces the
+    program-adjacent bucketing (``bucket.bucket``)."""
     if config.transport != "copy_engine":
         return None
-    fx_utils.merge_waits(graph)  # NOTE [one gather, several waits] in fx_utils.py
-    seeds = gate_mod.gate(graph, config, is_inference)
+    U.merge_waits(graph)  # NOTE [one gather, several waits] in fx_utils.py
+    if is_inference and census.is_joint_graph(graph):  # NOTE [a joint graph is never an inference graph]
+        log.info("torch_ce: a joint forward+backward graph compiled as inference: treated as training")
+        is_inference = False
+    # NOTE [every gather is counted] in census.py: bucketed forms are counted, not judged.
+    seeds = [s for s in gate_mod.gate(graph, config, is_inference) if census.judged_by_gate(s.gather)]
+    others = census.bucketed_gathers(graph)
     if not seeds:
+        if others:
+            return record_unserved(graph, census.BUCKETED, others=others)
         return None
     rec = report.new_graph(config.transport)
     refused_whole = gate_mod.graph_reason(graph, is_inference, config)
@@ -73,7 +101,7 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     row_weights = rows_mod.find(live) if config.row_gathers and not p.staged else []
     gone = rows_mod.rewrite(graph, row_weights)
     kept = [s for s in live if id(s) not in gone]
-    buckets = [] if refused_whole else bucket_mod.bucket(graph, kept, config)
+    buckets = [] if refused_whole else (bucketer or bucket_mod.bucket)(graph, kept, config)
     # Cross-call prefetch parks gathers for the next call: stale after an optimizer step.
     pf_node, pf_what = (None, "off") if p.staged else prefetch_mod.insert_prefetch(graph, buckets, config)
     if pf_what != "off":
@@ -116,9 +144,8 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
         else:
             why = next((s.reason for s in ss if not s.unread), ss[0].reason)  # a live gather's first
             rec.refused.append(report.RefusedWeight(**common, reason=str(why), code=int(why.code)))
-    for b in buckets:
-        rec.buckets.append(dict(kind="ce" if b.bound else "collective",
-                                members=[m.shard.name for m in b.members], bytes=b.nbytes))
+    _add_unserved(rec, others, census.BUCKETED)
+    rec.buckets.extend(bucket_rows(buckets))
     graph.lint()
     gm = graph.owning_module
     if gm is not None:
@@ -137,14 +164,55 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None) -> report.Grap
     return rec
 
 
+def bucket_rows(buckets: list) -> list[dict]:
+    """The record's view of buckets (bucket.Bucket): kind, member shards, bytes."""
+    return [dict(kind="ce" if b.bound else "collective", members=[m.shard.name for m in b.members],
+                 bytes=b.nbytes) for b in buckets]
+
+
+def _add_unserved(rec: report.GraphRecord, members: list, why) -> None:
+    """One refused row per graph input that ``members`` (census.Member) gather."""
+    by_src: dict = {}
+    for m in members:
+        by_src.setdefault(m.source if m.source is not None else m.gather, []).append(m)
+    for key, ms in by_src.items():
+        nb = sum(m.nbytes for m in ms)
+        rec.refused.append(report.RefusedWeight(
+            name=key.name, param=param_names.param_name(key), gathers=len(ms), gathered_bytes=nb,
+            ce_gathered_bytes=0, collective_bytes={str(why): nb}, reason=str(why), code=int(why.code)))
+
+
+def record_unserved(graph: fx.Graph, why, *, others: list | None = None) -> report.GraphRecord | None:
+    """A record of a graph whose weight gathers all stay on the collective, for ``why``
+    (a ``Refusal``): the gate's gathers and the bucketed ones (NOTE [every gather is
+    counted] in census.py). None when the graph gathers nothing. The graph is unchanged."""
+    plain = [census.Member(g, census.source_of(g.args[0]), (U.nbytes(g.args[0].meta.get("val")) or 0)
+                           * int(g.args[1]), "all_gather_into_tensor")
+             for g in U.find_op_nodes(graph, U.ALL_GATHER) if census.judged_by_gate(g)
+             and isinstance(g.args[0], fx.Node)]
+    members = plain + (census.bucketed_gathers(graph) if others is None else others)
+    if not members:
+        return None
+    rec = report.new_graph(config.transport)
+    _add_unserved(rec, members, why)
+    log.info("torch_ce: graph %d: %d weight gather(s) stay on the collective (%.1f MiB): %s",
+             rec.graph_id, len(members), sum(m.nbytes for m in members) / 2**20, why)
+    return rec
+
+
 class TorchCEPass(_PassBase):
     """torch_ce's post-grad pass, cache-safe through ``uuid()``."""
 
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
+        if _decided_before_inductor.get():
+            return  # decided (and recorded) on the FX graph already: decided_before_inductor
         note_mesh_dims()
         run_passes(graph, is_inference)
         for fn in list(_observers):
             fn(graph)
 
     def uuid(self) -> Any:
-        return identity(config)  # NOTE in identity.py: code, config and this rank's view
+        # NOTE in identity.py: code, config and this rank's view; and whether this pass runs
+        if _decided_before_inductor.get():
+            return identity(config) + ":decided-before-inductor"
+        return identity(config)

@@ -50,6 +50,14 @@ class Reason(enum.IntEnum):
     ROWS_CAST = 35
     # A weight gather whose result nothing reads: dropped on every rank (gate.unread).
     UNREAD = 36
+    # A weight gathered by a bucketed collective of several weights (bucketed before the
+    # gate saw it: graph_trainer's bucketing, Inductor's): counted, never served
+    # (passes/census.py).
+    BUCKETED = 37
+    # A graph a trainer's pass pipeline ran without torch_ce's passes (torchtitan's
+    # graph_trainer with its default pipeline while torch_ce is enabled): every weight
+    # gather is counted with the option that turns them on (integrations/torchtitan.py).
+    NOT_IN_PIPELINE = 38
     # Placement and process-group facts (bind only).
     PLACEMENT = 40
     NO_GROUP = 41

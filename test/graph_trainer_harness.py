@@ -1,0 +1,291 @@
+"""torchtitan's graph_trainer training step on CPU gloo ranks, as its users run it: the test
+side of torch_ce/integrations/torchtitan.py (test/test_graph_trainer.py,
+test/test_graph_trainer_zoo.py).
+
+One step is graph_trainer's own ``GraphTrainer.forward_backward_step`` with
+``compile.mode = "aot_fx_trace"``: ``minimal_fx_tracer(make_fwd_bwd_step(model, loss))``
+traces forward + loss + backward once, the pipeline named by ``compile.pass_pipeline``
+(``PASS_PIPELINE_REGISTRY``, the ``"torch_ce"`` one included) goes through
+``apply_graph_passes``, and ``run_traced`` runs it; AdamW steps between calls. The trainer
+is graph_trainer's class built without its ``__init__`` (which also builds a dataloader, a
+tokenizer, checkpointing and metrics: what graph_trainer's own tests do,
+``tests/_trainer_test_utils.build_minimal_trainer``), from graph_trainer's config of the
+model (``graph_trainer_llama3_debugmodel_sdpa``, ``graph_trainer_qwen3_debugmodel_moe``,
+...) with the zoo's CPU-sized model of the family (test/zoo_models.py: 2 blocks, dim 64)
+wrapped in graph_trainer's model class and parallelized by its own ``parallelize_fn``
+(module annotations, expert parallelism, ``apply_simple_fsdp`` with the config's bf16
+``param_dtype``). The loss is ``CrossEntropyLoss`` (Qwen3-MoE's debug config chunks it).
+
+What CPU needs (``prepare``), each named here because it is what a CPU run drops or
+stands in for, never what a GPU run does:
+
+- flex attention has no CPU backward: every layer's ``inner_attention`` is SDPA (the
+  ``*_sdpa`` debug configs; graph_trainer's tests do the same);
+- SAC needs SDPA's math backend on CPU: CPU's fused SDPA kernel
+  (``_scaled_dot_product_flash_attention_for_cpu``) is tagged ``nondeterministic_seeded``,
+  which ``selective_activation_remat_pass`` refuses in a recompute region
+  (``cpu_math_sdpa``);
+- the bucketer's runtime estimator (overlap_scheduling's roofline) asks Triton for the
+  GPU's DRAM bandwidth: stand-in device numbers (``torch.utils._runtime_estimation``'s
+  ``get_gpu_dram_gbps`` / ``get_device_tflops``);
+- ``cudagraph_pass`` is CUDA-only: ``--compile.disable_passes cudagraph_pass``;
+- import-only stand-ins for packages absent from the CPU CI install (``torchdata``'s
+  dataloader, HF ``tokenizers`` / ``datasets``, TensorBoard, the Triton kernels of
+  ``torchtitan.distributed.minimal_async_ep``): the trainer's modules import them, no
+  traced step calls them (each stand-in raises when called).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import time
+import types
+
+import torch
+
+SEQ, BATCH, STEPS = 16, 2, 3
+CONFIGS = {  # family -> graph_trainer's debug config (its model replaced by the zoo's CPU size)
+    "llama3": ("llama3", "graph_trainer_llama3_debugmodel_sdpa"),
+    "qwen3": ("qwen3", "graph_trainer_qwen3_debugmodel"),
+    "qwen3_moe": ("qwen3", "graph_trainer_qwen3_debugmodel_moe"),
+    "deepseek_v3": ("deepseek_v3", "graph_trainer_deepseek_v3_debugmodel"),
+}
+GATHER_TARGETS = ("all_gather_into_tensor", "_pre_bucket_all_gather")
+
+
+class _Missing(types.ModuleType):
+    """A package the CPU install lacks: any name is a class whose construction raises."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        mod = self.__name__
+
+        def refuse(*a, **k):
+            raise RuntimeError(f"{mod}.{name} is not installed (a CPU test stand-in)")
+
+        cls = type(name, (), {"__init__": refuse, "__module__": mod})
+        setattr(self, name, cls)
+        return cls
+
+
+def _stand_in(name: str) -> None:
+    if name not in sys.modules:
+        m = _Missing(name)
+        m.__path__ = []
+        sys.modules[name] = m
+
+
+def prepare() -> None:
+    """Make graph_trainer importable and runnable on this CPU install (module docstring);
+    call before importing anything of torchtitan's."""
+    for pkg, mods in (("torchdata", ("torchdata", "torchdata.stateful_dataloader")),
+                      ("tokenizers", ("tokenizers",)),
+                      ("datasets", ("datasets", "datasets.distributed")),
+                      ("tensorboard", ("torch.utils.tensorboard",)),
+                      ("triton", ("torchtitan.distributed.minimal_async_ep",))):
+        if importlib.util.find_spec(pkg) is None:
+            for m in mods:
+                _stand_in(m)
+    if not torch.cuda.is_available():
+        import torch.utils._runtime_estimation as est
+
+        est.get_gpu_dram_gbps = lambda: 3000  # an H100's order of magnitude (GB/s)
+        est.get_device_tflops = lambda dtype: 500.0
+    # The real trainer stack first: test/zoo_models.py stubs some of its modules (for
+    # torch.compile runs without it) only where nothing imported them yet.
+    import torchtitan.experiments.graph_trainer.passes  # noqa: F401
+    import torchtitan.experiments.graph_trainer.trainer  # noqa: F401
+
+    import torch_ce.integrations.torchtitan  # noqa: F401  (registers the "torch_ce" pipeline)
+
+
+def importable() -> str | None:
+    """Why graph_trainer cannot be used here (None: it can)."""
+    if importlib.util.find_spec("torchtitan") is None:
+        return "torchtitan is not installed"
+    return None
+
+
+def cpu_math_sdpa(model) -> None:
+    """SAC on CPU: SDPA's math backend (module docstring)."""
+    from torch.nn.attention import SDPBackend
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for m in model.modules():
+        if isinstance(m, ScaledDotProductAttention):
+            m.sdpa_backends = [SDPBackend.MATH]
+
+
+def graph_trainer_config(family: str, *, mode: str, pipeline: str, param_dtype: str = "bfloat16",
+                         experts: int = 4, layers: int = 2):
+    """graph_trainer's config of ``family`` (``CONFIGS``) with the zoo's CPU-sized model
+    (SDPA), ``compile.inductor_compilation = mode``, ``compile.pass_pipeline = pipeline``."""
+    import importlib
+
+    import zoo_models as zm
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    fam, name = CONFIGS[family]
+    cfg = getattr(importlib.import_module(f"torchtitan.experiments.graph_trainer.{fam}.config_registry"), name)()
+    small = zm.model_config(family, zm.Dims(layers=layers, experts=experts))
+    cls = type(cfg.model_spec.model)  # GraphTrainer<X>Model.Config
+    cfg.model_spec.model = cls(**{f.name: getattr(small, f.name) for f in dataclasses.fields(small)})
+    cfg.loss = CrossEntropyLoss.Config()
+    cfg.training.seq_len, cfg.training.local_batch_size = SEQ, BATCH
+    cfg.training.mixed_precision_param = param_dtype
+    cfg.compile.inductor_compilation = mode
+    cfg.compile.pass_pipeline = pipeline
+    if not torch.cuda.is_available():
+        cfg.compile.disable_passes = ["cudagraph_pass"]
+    return cfg
+
+
+def build_trainer(cfg, pdims, seed: int):
+    """(GraphTrainer, model): the model built, initialised from ``seed`` and parallelized
+    by graph_trainer's ``parallelize_fn``; the trainer as its tests build it, the
+    pipeline's post-init hook run as ``GraphTrainer.__init__`` runs it."""
+    from torchtitan.distributed.utils import get_spmd_context
+    from torchtitan.experiments.graph_trainer import simple_fsdp
+    from torchtitan.experiments.graph_trainer.registry import POST_INIT_HOOKS
+    from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
+
+    mcfg = cfg.model_spec.model
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        net = mcfg.build()
+        net.init_states(buffer_device=torch.device("cpu"))
+    simple_fsdp._wrap_class_cache.clear()  # its wrapper classes close over the first mesh
+    net = cfg.model_spec.parallelize_fn(
+        net, parallel_dims=pdims, training=cfg.training, parallelism=cfg.parallelism,
+        compile_config=cfg.compile, ac_config=cfg.activation_checkpoint, dump_folder=cfg.dump_folder)
+    net.train()
+    if not torch.cuda.is_available():
+        cpu_math_sdpa(net)
+    tr = object.__new__(GraphTrainer)
+    tr.model_parts, tr.model_config, tr.config = [net], mcfg, cfg
+    tr.loss_fn = cfg.loss.build()
+    tr.parallel_dims = pdims
+    tr.train_context = get_spmd_context()
+    tr.fwd_bwd_fn = tr._forward_backward_body
+    tr.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tr.tokenizer, tr.ntokens_seen, tr._traced_step = None, 0, None
+    POST_INIT_HOOKS.get(cfg.compile.pass_pipeline, lambda _: None)(tr)
+    return tr, net
+
+
+def batches(vocab: int, world: int, rank: int, seed: int, n: int = STEPS) -> list:
+    """(tokens, labels) per step, this rank's own."""
+    g = torch.Generator().manual_seed(seed + 7919 * rank)
+    return [(torch.randint(0, vocab, (BATCH, SEQ), generator=g), torch.randint(0, vocab, (BATCH, SEQ), generator=g))
+            for _ in range(n)]
+
+
+def train(tr, net, data, world: int) -> list:
+    """graph_trainer's step (``forward_backward_step``) and AdamW, per batch: the losses."""
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    pos = torch.arange(SEQ).repeat(BATCH, 1)
+    tokens = torch.tensor(float(BATCH * SEQ * world))
+    out = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = tr.forward_backward_step(input_dict={"input": x, "positions": pos}, labels=y,
+                                        global_valid_tokens=tokens)
+        opt.step()
+        out.append(loss.detach().clone())
+    return out
+
+
+def gathers_left(gm) -> list[str]:
+    """Weight all-gather nodes (every form) left in a final graph module's FX graph."""
+    return [f"{n.name}: {n.target}" for n in gm.graph.nodes
+            if n.op == "call_function" and any(t in str(n.target) for t in GATHER_TARGETS)]
+
+
+def one_run(family, pdims, world, rank, seed, *, mode, pipeline, enable=False, experts=4,
+            param_dtype="bfloat16") -> dict:
+    """Build, trace, pass, and train ``STEPS`` steps: losses, the gathers left in the final
+    FX graph, explain()'s coverage of this run, the seconds it took."""
+    import torch.distributed as dist
+    import torch_ce
+    from torch_ce import report
+
+    t0 = time.monotonic()
+    torch._dynamo.reset()
+    report.clear()
+    if enable:
+        torch_ce.enable(transport="copy_engine")
+    try:
+        cfg = graph_trainer_config(family, mode=mode, pipeline=pipeline, experts=experts,
+                                   param_dtype=param_dtype)
+        tr, net = build_trainer(cfg, pdims, seed)
+        losses = train(tr, net, batches(cfg.model_spec.model.vocab_size, world, rank, seed), world)
+        gm = tr._traced_step.gm
+        left = gathers_left(gm) if isinstance(gm, torch.fx.GraphModule) else None
+        e = torch_ce.explain()
+        cov = e.coverage()
+        names = sorted({w.param for w in e.weights})
+        placements = {n: (tuple(p.device_mesh.mesh_dim_names or ()), tuple(str(x) for x in p.placements))
+                      for n, p in net.named_parameters() if hasattr(p, "placements")}
+        return dict(losses=losses, left=left, share=cov.total.share, ce_bytes=cov.total.ce_bytes,
+                    collective_bytes=cov.total.collective_bytes, by_reason=dict(cov.total.by_reason),
+                    graphs=len(e.graphs), names=names, table=e.table(), seconds=time.monotonic() - t0,
+                    placements=placements)
+    finally:
+        if enable:
+            torch_ce.disable()
+        dist.barrier()  # peers may still read this rank's staging slots
+        torch_ce.release_all()
+
+
+# ---------------------------------------------------------------------------------------
+# A joint graph taken for an inference graph
+# ---------------------------------------------------------------------------------------
+
+MISCLASSIFIED = "torch_ce_test_misclassified"
+
+
+def _misclassified_pass(gm, example_inputs, *, facts, seen):
+    """torch_ce's post-grad entry point (``manager.run_passes``) on the joint graph with
+    ``is_inference=True``, as a caller that compiles the joint graph standalone (graph_trainer's
+    full Inductor without torch_ce's pipeline) hands it over. ``seen``: what the gate alone
+    would have planned for an inference graph (the hazard), and what the passes did."""
+    from torch_ce.passes import gate, joint, manager, plan
+    from torch_ce.config import config
+
+    with joint._facts(gm.graph, facts):
+        seeds = [s for s in gate.gate(gm.graph, config, True) if s.eligible]
+        p = plan.plan(seeds)
+        seen["as_inference"] = dict(cast_slots=sum(s.cast_slot for s in seeds),
+                                    in_place=len(p.shards), staged=p.staged)
+        manager.run_passes(gm.graph, is_inference=True)
+    gm.recompile()
+    magi = torch.ops.magi
+    stages = [n for n in gm.graph.nodes if n.target is magi.ce_stage.default]
+    seen["after"] = dict(
+        binds=sum(n.target is magi.ce_bind.default for n in gm.graph.nodes),
+        stages=len(stages),
+        refresh=[bool(n.args[6]) for n in stages],
+        static=[bool(n.kwargs.get("static", n.args[8] if len(n.args) > 8 else False)) for n in stages],
+        ce_gathers=sum(n.target in (magi.ce_all_gather.default, magi.ce_all_gather_coalesced.default)
+                       for n in gm.graph.nodes),
+        plain_gathers=len(gathers_left(gm)))
+    return gm
+
+
+def register_misclassified_pipeline(seen: dict) -> None:
+    """A test pipeline: graph_trainer's default list with ``_misclassified_pass`` before its
+    FSDP bucketing (where torch_ce's own pass runs)."""
+    import functools
+
+    from torch_ce.integrations import torchtitan as tt
+    from torchtitan.experiments.graph_trainer import registry
+    from torchtitan.experiments.graph_trainer.passes import construct_default_graph_passes
+
+    def pipeline(traced_result, config, *, parallel_dims=None):
+        passes = construct_default_graph_passes(traced_result, config, parallel_dims=parallel_dims)
+        ours = functools.partial(_misclassified_pass, facts=tt.joint_facts(traced_result), seen=seen)
+        return tt._insert(passes, ours, tt._BEFORE)
+
+    registry.register_pass_pipeline(MISCLASSIFIED)(pipeline)
