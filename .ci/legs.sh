@@ -8,8 +8,8 @@
 #   2.15    full default suite / of its `pip install torch==...` (CUDA wheels: csrc/ is built)
 #
 # A leg other than the README's runs the README's install line in steps: its torch (the
-# requirements file), the line's other `pip install`s, then, on a leg of the whole suite,
-# the rest of the line (the demo); then its tests. Every step prints its wall and CPU
+# requirements file) and the line's other `pip install`s (not the demo: the README's leg
+# runs it); then its tests. Every step prints its wall and CPU
 # seconds; a failing leg does not stop the next; a summary of every leg closes the run, and
 # CI fails if any leg failed (pytest's exit 5, no tests collected, is a failure). Each leg
 # starts without the kernels a previous leg built into the tree
@@ -22,9 +22,9 @@
 #   CE_CI_BUDGET_S=5100             the run's deadline: a step still running then is stopped
 #                                   (exit 124), a leg not yet started fails unrun
 
-# The fast subset: the build, the passes, the refusal matrix, the no-hang fuzz, the uneven
-# shards and the zoo's default case.
-FAST_TESTS="test/test_build.py test/test_passes_golden.py test/test_dim1_golden.py test/test_dim1_passes.py test/test_rank_independent.py test/test_reorder.py test/test_refusals.py test/test_no_hang.py test/test_uneven_host.py test/test_zoo_matrix.py"
+# The fast subset: the build, the passes (goldens, rank independence, reorder), the
+# no-hang fuzz, the uneven shards and the zoo's default case.
+FAST_TESTS="test/test_build.py test/test_passes_golden.py test/test_dim1_golden.py test/test_dim1_passes.py test/test_rank_independent.py test/test_reorder.py test/test_no_hang.py test/test_uneven_host.py test/test_zoo_matrix.py"
 
 # name | what installs its torch (README: the README's own first command) | tests
 LEGS=(
@@ -80,14 +80,14 @@ ci_leg() {
         install=$readme_install
     else
         # The README's install line, split at `&&`: its torch pin is replaced by the leg's
-        # requirements file, its other pip installs follow; the rest (the demo) runs after
-        # them on a leg of the whole suite, not on a fast one.
+        # requirements file, its other pip installs follow; the rest (the demo) runs on the
+        # README's leg only (CI's 90 minutes: the suite runs the demo's code too).
         install="pip install -r $torch_req"
         while IFS= read -r seg; do
             case "$seg" in
                 "pip install torch=="*) ;;
                 "pip install "*) install+=" && $seg" ;;
-                *) if [ "$tests" = README ]; then run+="${run:+ && }$seg"; fi ;;
+                *) ;;
             esac
         done < <(printf '%s\n' "$readme_install" | sed 's/ *&& */\n/g')
     fi
