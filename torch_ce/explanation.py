@@ -9,8 +9,9 @@ collective backend, and the mesh dim it is gathered over (HSDP: the shard dim; n
 the DTensor's mesh when the graph's cache key is formed, report.mesh_dims); for a weight embedding
 lookups read, its row gather and the bytes it reads per forward, or why it is gathered in
 full. Per (group, dtype) pool: its windows and how full they are. The gather
-kernel in use per device type, and (in the table's header) the torch it runs on. Graphs served from the FX graph cache ran no pass in this
-process, so they have no record here; their binds still show.
+kernel in use per device type, and (in the table's header) the torch it runs on. Graphs
+served from the FX graph cache ran no pass in this process, so they have no record here;
+their binds still show.
 
 (This module is not called ``explain``: ``import torch_ce.explain`` would rebind the
 package attribute ``torch_ce.explain``, the function, to the module.)

@@ -130,9 +130,9 @@ def gencode_flags(archs: list[str]) -> list[str]:
 #   - a trial compile: a compiler run per install, and any other error reads as "needs a
 #     newer standard".
 # The least standard the headers accept keeps the C++17 torches' kernels built as they
-# were tested (the headers' contract with extensions covers both), and lets an older
-# compiler build them. No such line (a torch that moves it): C++20, the newest any
-# supported torch has asked for.
+# were tested (their headers take C++20 too: torch's own extension builds use it), and
+# lets an older compiler build them. No such line (a torch that moves it): C++20, the
+# newest any supported torch has asked for.
 CXX_GUARD_HEADERS = (os.path.join("ATen", "ATen.h"),
                      os.path.join("torch", "csrc", "api", "include", "torch", "all.h"))
 DEFAULT_CXX_STANDARD = "c++20"
