@@ -2,6 +2,7 @@
 
     GPU_WORLD, needs_gpu_world   ranks of the multi-GPU tests: TORCH_CE_GPU_WORLD (default 2);
                                  the tests skip with fewer visible GPUs
+    needs_gpu_and_kernels        pytestmark of a module that needs a GPU and the C++ kernels
     register_loopback(mine, peer, group, rank=0) -> Slot
 
 One GPU: binds ``mine`` as a 2-rank slot whose other rank's copy is the local tensor ``peer``:
@@ -23,6 +24,20 @@ if GPU_WORLD < 2:
 needs_gpu_world = pytest.mark.skipif(
     torch.cuda.device_count() < GPU_WORLD,
     reason=f"needs {GPU_WORLD} GPUs (TORCH_CE_GPU_WORLD={GPU_WORLD})")
+
+
+def _kernels_built() -> bool:
+    import os
+
+    d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torch_ce", "runtime")
+    return any(f.startswith("_ce_torch") for f in os.listdir(d))
+
+
+# A module's ``pytestmark`` when it needs a GPU and the built C++ gather kernels.
+needs_gpu_and_kernels = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not _kernels_built(), reason="the C++ gather kernels are not built (CPU torch or no nvcc)"),
+]
 
 
 def register_loopback(mine: torch.Tensor, peer: torch.Tensor, group, rank: int = 0):

@@ -142,6 +142,10 @@ def graph_trainer_config(family: str, *, mode: str, pipeline: str, param_dtype: 
     return cfg
 
 
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def build_trainer(cfg, pdims, seed: int):
     """(GraphTrainer, model): the model built, initialised from ``seed`` and parallelized
     by graph_trainer's ``parallelize_fn``; the trainer as its tests build it, the
@@ -152,10 +156,11 @@ def build_trainer(cfg, pdims, seed: int):
     from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
 
     mcfg = cfg.model_spec.model
+    dev = device()
     torch.manual_seed(seed)
-    with torch.device("cpu"):
+    with dev:
         net = mcfg.build()
-        net.init_states(buffer_device=torch.device("cpu"))
+        net.init_states(buffer_device=dev)
     simple_fsdp._wrap_class_cache.clear()  # its wrapper classes close over the first mesh
     net = cfg.model_spec.parallelize_fn(
         net, parallel_dims=pdims, training=cfg.training, parallelism=cfg.parallelism,
@@ -169,7 +174,7 @@ def build_trainer(cfg, pdims, seed: int):
     tr.parallel_dims = pdims
     tr.train_context = get_spmd_context()
     tr.fwd_bwd_fn = tr._forward_backward_body
-    tr.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tr.device = dev
     tr.tokenizer, tr.ntokens_seen, tr._traced_step = None, 0, None
     POST_INIT_HOOKS.get(cfg.compile.pass_pipeline, lambda _: None)(tr)
     return tr, net
@@ -185,16 +190,26 @@ def batches(vocab: int, world: int, rank: int, seed: int, n: int = STEPS) -> lis
 def train(tr, net, data, world: int) -> list:
     """graph_trainer's step (``forward_backward_step``) and AdamW, per batch: the losses."""
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
-    pos = torch.arange(SEQ).repeat(BATCH, 1)
-    tokens = torch.tensor(float(BATCH * SEQ * world))
+    dev = device()
+    pos = torch.arange(SEQ, device=dev).repeat(BATCH, 1)
+    tokens = torch.tensor(float(BATCH * SEQ * world), device=dev)
     out = []
     for x, y in data:
         opt.zero_grad()
+        x, y = x.to(dev), y.to(dev)
         loss = tr.forward_backward_step(input_dict={"input": x, "positions": pos}, labels=y,
                                         global_valid_tokens=tokens)
         opt.step()
-        out.append(loss.detach().clone())
+        out.append(loss.detach().clone().cpu())
     return out
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (Inductor's C++ compiler)."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def gathers_left(gm) -> list[str]:
@@ -204,34 +219,39 @@ def gathers_left(gm) -> list[str]:
 
 
 def one_run(family, pdims, world, rank, seed, *, mode, pipeline, enable=False, experts=4,
-            param_dtype="bfloat16") -> dict:
+            param_dtype="bfloat16", layers=2) -> dict:
     """Build, trace, pass, and train ``STEPS`` steps: losses, the gathers left in the final
     FX graph, explain()'s coverage of this run, the seconds it took."""
     import torch.distributed as dist
     import torch_ce
     from torch_ce import report
 
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), cpu_seconds()
     torch._dynamo.reset()
     report.clear()
     if enable:
         torch_ce.enable(transport="copy_engine")
     try:
         cfg = graph_trainer_config(family, mode=mode, pipeline=pipeline, experts=experts,
-                                   param_dtype=param_dtype)
+                                   param_dtype=param_dtype, layers=layers)
         tr, net = build_trainer(cfg, pdims, seed)
         losses = train(tr, net, batches(cfg.model_spec.model.vocab_size, world, rank, seed), world)
         gm = tr._traced_step.gm
         left = gathers_left(gm) if isinstance(gm, torch.fx.GraphModule) else None
+        captured = getattr(getattr(gm, "forward", None), "_cudagraph", None) is not None
         e = torch_ce.explain()
         cov = e.coverage()
         names = sorted({w.param for w in e.weights})
         placements = {n: (tuple(p.device_mesh.mesh_dim_names or ()), tuple(str(x) for x in p.placements))
                       for n, p in net.named_parameters() if hasattr(p, "placements")}
+        cpu = cpu_seconds() - c0
+        print(f"[rank {rank}] {family} {mode} {pipeline}{' (torch_ce enabled)' if enable else ''}: "
+              f"{time.monotonic() - t0:.0f} s ({cpu:.0f} s of CPU); {cov.total.line()}", file=sys.stderr,
+              flush=True)
         return dict(losses=losses, left=left, share=cov.total.share, ce_bytes=cov.total.ce_bytes,
                     collective_bytes=cov.total.collective_bytes, by_reason=dict(cov.total.by_reason),
                     graphs=len(e.graphs), names=names, table=e.table(), seconds=time.monotonic() - t0,
-                    placements=placements)
+                    placements=placements, captured=captured, cpu_seconds=cpu)
     finally:
         if enable:
             torch_ce.disable()
@@ -248,8 +268,8 @@ MISCLASSIFIED = "torch_ce_test_misclassified"
 
 def _misclassified_pass(gm, example_inputs, *, facts, seen):
     """torch_ce's post-grad entry point (``manager.run_passes``) on the joint graph with
-    ``is_inference=True``, as a caller that compiles the joint graph standalone (graph_trainer's
-    full Inductor without torch_ce's pipeline) hands it over. ``seen``: what the gate alone
+    ``is_inference=True``, as Inductor hands it over when a caller compiles the joint graph
+    standalone (graph_trainer's full Inductor without torch_ce's pipeline). ``seen``: what the gate alone
     would have planned for an inference graph (the hazard), and what the passes did."""
     from torch_ce.passes import gate, joint, manager, plan
     from torch_ce.config import config
@@ -275,8 +295,9 @@ def _misclassified_pass(gm, example_inputs, *, facts, seen):
 
 
 def register_misclassified_pipeline(seen: dict) -> None:
-    """A test pipeline: graph_trainer's default list with ``_misclassified_pass`` before its
-    FSDP bucketing (where torch_ce's own pass runs)."""
+    """A test pipeline: graph_trainer's default list without its FSDP bucketing (the issue's
+    "full Inductor, bucketing off" case: the joint graph reaches Inductor with its
+    per-weight gathers) and ``_misclassified_pass`` where Inductor would get the graph."""
     import functools
 
     from torch_ce.integrations import torchtitan as tt
@@ -284,8 +305,9 @@ def register_misclassified_pipeline(seen: dict) -> None:
     from torchtitan.experiments.graph_trainer.passes import construct_default_graph_passes
 
     def pipeline(traced_result, config, *, parallel_dims=None):
-        passes = construct_default_graph_passes(traced_result, config, parallel_dims=parallel_dims)
+        passes = [p for p in construct_default_graph_passes(traced_result, config, parallel_dims=parallel_dims)
+                  if tt._pass_name(p) != tt._BUCKETING]
         ours = functools.partial(_misclassified_pass, facts=tt.joint_facts(traced_result), seen=seen)
-        return tt._insert(passes, ours, tt._BEFORE)
+        return tt._insert(passes, ours)
 
     registry.register_pass_pipeline(MISCLASSIFIED)(pipeline)

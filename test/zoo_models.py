@@ -151,15 +151,16 @@ def _set_sharding(family: str, cfg, enable_ep: bool) -> None:
         set_llama3_sharding_config(cfg, enable_sp=False)
 
 
-def parallel_dims(world: int, mode: str, ep: int = 1):
+def parallel_dims(world: int, mode: str, ep: int = 1, device: str = "cpu"):
     """graph_trainer's ``ParallelDims`` for ``mode`` ("fully_shard", "hsdp": dp_replicate 2
-    x fsdp, "ep": fully_shard with expert parallelism ``ep``), its meshes built on CPU."""
+    x fsdp, "ep": fully_shard with expert parallelism ``ep``), its meshes built on
+    ``device`` (CPU: gloo)."""
     _stub_training_imports()
     import torchtitan.distributed.parallel_dims as pd_mod
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
 
-    pd_mod.device_type = "cpu"  # NOTE in the module docstring
+    pd_mod.device_type = device  # NOTE in the module docstring
     dist_utils.set_spmd_backend("partial_dtensor")
     replicate = 2 if mode == "hsdp" else 1
     pdims = ParallelDims(dp_shard=-1, dp_replicate=replicate, cp=1, tp=1, pp=1,

@@ -45,11 +45,13 @@ import inspect
 # belongs here (test_cache_identity checks that, so a new pass cannot be forgotten).
 MODULES = (
     "torch_ce.passes.bucket",
+    "torch_ce.passes.census",
     "torch_ce.passes.cost",
     "torch_ce.passes.fx_utils",
     "torch_ce.passes.gate",
     "torch_ce.passes.identity",
     "torch_ce.passes.install",
+    "torch_ce.passes.joint",
     "torch_ce.passes.manager",
     "torch_ce.passes.param_names",
     "torch_ce.passes.plan",

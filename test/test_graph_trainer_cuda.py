@@ -1,0 +1,128 @@
+"""graph_trainer's CUDA graphs over torch_ce's ops, on one GPU (NOTE [CUDA graphs under
+the torch_ce pipeline] in torch_ce/integrations/torchtitan.py).
+
+graph_trainer's ``cudagraph_pass`` wraps the finished step graph in its
+``CUDAGraphWrapper``: the first call runs eagerly (warm-up), the second is captured, every
+later one replays. What a torch_ce step graph holds at its head and around each gather:
+``magi.ce_stage`` (fence, refresh each staging slot from its weight, fence),
+``magi.ce_staged`` (the slots), ``magi.ce_all_gather_coalesced`` + ``wait_tensor``.
+
+- ``test_stage_and_gathers_replay_under_graph_trainers_wrapper``: that graph, built with
+  torch.fx over one weight whose 2-rank staging slot is a loopback slot (the "peer" copy a
+  second local tensor: ``cuda_helpers.register_loopback``), wrapped by ``cudagraph_pass``
+  itself, on an NCCL group of one rank (the fences are NCCL all_reduces, as on a real
+  mesh). Between calls the "optimizer" writes the weight in place and the "peer" writes its
+  slot; every call, captured or replayed, must gather exactly ``cat(weight in bf16, peer)``
+  and leave the refreshed slot equal to the new weight: a replay re-runs the refresh and the
+  reads, and no host-side decision is skipped.
+- ``test_graph_trainer_step_with_cudagraph_pass``: graph_trainer's step (Llama3 debug
+  config, CPU-sized, world 1) with the torch_ce pipeline and ``cudagraph_pass`` on, against
+  the default pipeline: the same losses over 3 AdamW steps, and the step graph captured.
+  With one rank no gather is served (a group of one has nothing to gather): it checks that
+  the pipeline's stage step and graph_trainer's capture live together.
+
+Skipped without a GPU or without the built C++ kernels (the per-peer capture path is
+theirs). Run: ``python3 -m pytest -q test/test_graph_trainer_cuda.py``.
+"""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from cuda_helpers import needs_gpu_and_kernels
+
+pytestmark = needs_gpu_and_kernels
+if not torch.cuda.is_available():  # before importing torchtitan (seconds on CPU CI)
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
+
+from mp_harness import run_ranks, seed_base  # noqa: E402
+
+
+def _step_module(w, name):
+    """The head and one gather of a torch_ce training graph, as torch.fx code."""
+    import torch.fx as fx
+
+    magi, c10d = torch.ops.magi, torch.ops._c10d_functional
+    g = fx.Graph()
+    wp, xp = g.placeholder("w"), g.placeholder("x")
+    g.call_function(magi.ce_stage.default, ([wp], ["bfloat16"], [2], [name], ["w"], [""], True))
+    staged = g.call_function(magi.ce_staged.default, ([wp], ["bfloat16"], [name]))
+    slot = g.call_function(operator.getitem, (staged, 0))
+    co = g.call_function(magi.ce_all_gather_coalesced.default, ([slot], 2, name))
+    got = g.call_function(operator.getitem, (co, 0))
+    full = g.call_function(c10d.wait_tensor.default, (got,))
+    mm = g.call_function(torch.ops.aten.mm.default, (xp, g.call_function(torch.ops.aten.t.default, (full,))))
+    g.output((full, mm))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _wrapper_rank(rank, world, seed):
+    import torch.distributed as dist
+    from cuda_helpers import register_loopback
+
+    import graph_trainer_harness as H
+
+    H.prepare()
+    from torch_ce.runtime import windows as W
+    from torchtitan.experiments.graph_trainer.cudagraph import cudagraph_pass
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    name = dist.group.WORLD.group_name
+    w = torch.randn(64, 32, generator=gen, device=dev)  # the fp32 parameter shard
+    mine = torch.empty(64, 32, dtype=torch.bfloat16, device=dev)  # its staging slot
+    peer = torch.randn(64, 32, generator=gen, device=dev).to(torch.bfloat16)  # the peer's slot
+    slot = register_loopback(mine, peer, dist.group.WORLD, 0)
+    W.register_staged(w, torch.bfloat16, slot, view=mine)
+    x = torch.randn(8, 32, generator=gen, device=dev).to(torch.bfloat16)
+    gm = cudagraph_pass(_step_module(w, name), (w, x), static_input_indices=[0], tensor_input_indices=[0, 1])
+    wrapped = type(gm.forward).__name__
+    res = dict(wrapped=wrapped, calls=[])
+    for call in range(4):  # warm-up, capture + replay, replay, replay
+        full, mm = gm(w, x)
+        torch.cuda.synchronize()
+        exp = torch.cat([w.to(torch.bfloat16), peer])
+        res["calls"].append(dict(
+            gather_exact=bool(torch.equal(full, exp)),
+            slot_refreshed=bool(torch.equal(mine, w.to(torch.bfloat16))),
+            mm_close=bool(torch.allclose(mm.float(), (x @ exp.t()).float(), rtol=1e-2, atol=1e-2))))
+        with torch.no_grad():  # the optimizer writes the weight; the peer refreshes its slot
+            w.add_(torch.randn(w.shape, generator=gen, device=dev))
+            peer.copy_(torch.randn(peer.shape, generator=gen, device=dev).to(torch.bfloat16))
+    res["captured"] = getattr(gm.forward, "_cudagraph", None) is not None
+    return res
+
+
+def test_stage_and_gathers_replay_under_graph_trainers_wrapper():
+    (r,) = run_ranks(_wrapper_rank, 1, seed_base(), backend="nccl", timeout=300)
+    print(r)
+    assert r["wrapped"] == "CUDAGraphWrapper" and r["captured"], r
+    for i, c in enumerate(r["calls"]):
+        assert c["gather_exact"] and c["slot_refreshed"] and c["mm_close"], (i, r)
+
+
+def _step_rank(rank, world, seed, cache):
+    import graph_trainer_harness as H
+
+    H.prepare()
+    from mp_harness import setup_compile
+
+    setup_compile(cache, rank)
+    import zoo_models as zm
+
+    pdims = zm.parallel_dims(world, "fully_shard", device="cuda")
+    out = {}
+    for pipeline in ("default", "torch_ce"):
+        r = H.one_run("llama3", pdims, world, rank, seed, mode="regional", pipeline=pipeline)
+        out[pipeline] = r
+    return out
+
+
+def test_graph_trainer_step_with_cudagraph_pass(tmp_path):
+    (r,) = run_ranks(_step_rank, 1, seed_base(), str(tmp_path), backend="nccl", timeout=900)
+    print(r["torch_ce"]["table"])
+    for p in ("default", "torch_ce"):
+        assert r[p]["captured"], (p, r[p])
+    assert all(torch.equal(a, b) for a, b in zip(r["default"]["losses"], r["torch_ce"]["losses"])), r
