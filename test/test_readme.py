@@ -49,8 +49,8 @@ def test_ci_uses_a_fresh_venv_and_keeps_no_copy_of_the_commands():
 def test_ci_legs_cover_the_supported_torches():
     """A leg per supported release (README.md's platform table names each), every one but the
     README's pinned by a requirements file; the README's and the newest run the whole default
-    suite, the others a subset that still holds the build, the passes, the no-hang fuzz, the
-    uneven tests and the zoo's default case."""
+    suite, the oldest a subset that still holds the build, the passes, the no-hang fuzz, the
+    uneven tests and the zoo's default case, 2.14.1 the build and the passes."""
     legs = open(LEGS).read()
     table = open(os.path.join(ROOT, "README.md")).read()
     found = dict(re.findall(r'^\s+"([0-9.]+)\|([^|]+)\|', legs, re.M))
@@ -68,4 +68,7 @@ def test_ci_legs_cover_the_supported_torches():
               "test/test_passes_golden.py"):
         assert f in fast, f
     assert all(os.path.isfile(os.path.join(ROOT, f)) for f in fast), fast
+    passes = re.search(r'^PASSES_TESTS="([^"]+)"', legs, re.M).group(1).split()
+    assert "test/test_build.py" in passes and "test/test_passes_golden.py" in passes, passes
+    assert all(os.path.isfile(os.path.join(ROOT, f)) for f in passes), passes
     assert re.search(r'"2\.15\|[^|]+\|README"', legs), "the newest release runs the whole default suite"
