@@ -182,7 +182,8 @@ def gather_rows(shard: torch.Tensor, slot: Slot, ids: torch.Tensor) -> torch.Ten
         return rows_triton.gather_rows(peers, mirrored.peer_ptrs, mirrored.shape, mirrored.dtype, ids)
     with _warn_lock:
         first = not _warned_rows
-        _warned_rows.append(True)
+        if first:
+            _warned_rows.append(True)
     if first:
         msg = (f"torch_ce: no row-gather kernel ({why}): CUDA embedding lookups of "
                "bound tables use pure-torch indexing (syncs with the host per peer). With "
