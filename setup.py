@@ -93,6 +93,26 @@ def torch_module():
     return torch
 
 
+def require_bdist_wheel():
+    """A bdist_wheel command, or a loud failure: pip's install without build isolation runs
+    it from this environment's setuptools (>= 70.1 has it; older ones take the wheel
+    package's). torch 2.11 lets a venv's setuptools 65 stand, which fails with "invalid
+    command 'bdist_wheel'"."""
+    try:
+        from setuptools.command.bdist_wheel import bdist_wheel  # noqa: F401  (setuptools >= 70.1)
+        return
+    except ImportError:
+        pass
+    if importlib.util.find_spec("wheel") is None:
+        import setuptools
+
+        raise SystemExit(
+            f"torch_ce: this environment's setuptools ({setuptools.__version__}) has no bdist_wheel "
+            "command and the wheel package is not installed: an install without build isolation "
+            f"needs one of them. `{os.path.basename(sys.executable)} -m pip install wheel`, then "
+            "install torch_ce again.")
+
+
 class CudaBuildExt(build_ext):
     """Builds the torch kernels (a torch op library, not a Python extension module) with
     nvcc or the host compiler against a CUDA torch, compile-checks them against a CPU
@@ -199,19 +219,24 @@ def compile_check(nvcc, source, flags, build_temp, obj_name="ce_torch_check.o", 
 
 
 def torch_flags(torch=None):
-    """Compile flags for csrc/ against ``torch``'s headers (the CUDA headers come from the
-    toolkit nvcc brings or from toolchain.choose_headers)."""
+    """Compile flags for csrc/ against ``torch``'s headers, in the C++ standard they ask for
+    (NOTE [the C++ standard follows torch's headers] in toolchain.py; the same for nvcc, the
+    host compiler and the compile check). The CUDA headers come from the toolkit nvcc brings
+    or from toolchain.choose_headers."""
     torch = torch or torch_module()
     from torch.utils import cpp_extension
 
     incs = cpp_extension.include_paths()  # torch's own
-    return ["-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    std, where = T.cxx_standard(torch)
+    note(f"-std={std} for torch {torch.__version__} ({where})")
+    return [f"-std={std}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             *[f"-I{d}" for d in incs]]
 
 
 # Guarded so test/test_build.py can import the helpers above; setuptools runs this as
 # __main__.
 if __name__ == "__main__":
+    require_bdist_wheel()
     setup(
         name="torch_ce",
         version="0.1.0",

@@ -3,7 +3,7 @@ gather costs the CPU (bench/gpu_build_check.sh runs it once per build and compar
 
     python3 bench/build_check.py --label no_nvcc --expect-root DIR --out FILE.json
 
-Gathers (``magi.ce_all_gather`` and ``_coalesced``) and row gathers (``native.gather_rows``)
+Gathers (``magi.ce_all_gather`` and ``_coalesced``) and row gathers (``gather.gather_rows``)
 of seeded data on loopback slots (``register_loopback`` from test/cuda_helpers.py: the peer
 copy is a second local tensor), each output checked against ``torch.cat`` /
 ``torch.embedding`` and hashed, so two builds can be compared bit for bit. Then CPU time
@@ -72,13 +72,13 @@ def main():
     store = tempfile.NamedTemporaryFile(delete=False).name
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     import torch_ce
-    from torch_ce.runtime import native
+    from torch_ce.runtime import gather, native
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(torch_ce.__file__)))
     if a.expect_root and os.path.realpath(root) != os.path.realpath(a.expect_root):
         raise SystemExit(f"build_check: torch_ce imported from {root}, expected {a.expect_root}")
     if not native.load():
-        raise SystemExit(f"build_check: {native.kernel_path('cuda')}")
+        raise SystemExit(f"build_check: {gather.kernel_path('cuda')}")
     sys.path.insert(0, os.path.join(HERE, "..", "test"))
     from cuda_helpers import register_loopback
 
@@ -86,7 +86,7 @@ def main():
     g = dist.group.WORLD
     name = g.group_name
     res = dict(label=a.label, root=root, library=native.library_path(), build=list(native.build_info()),
-               row_path=native.row_path()[0], kernel_path=native.kernel_path("cuda"),
+               row_path=gather.row_path()[0], kernel_path=gather.kernel_path("cuda"),
                exact=[], digests=[], rows_exact=[], rows_digests=[])
     gen = torch.Generator(device=dev).manual_seed(1234)
     keep = []
@@ -112,13 +112,13 @@ def main():
     for rows, dim, dtype in ((1024, 4096, torch.bfloat16), (333, 3, torch.float32)):
         mine = torch.randn(rows, dim, generator=gen, device=dev).to(dtype)
         peer = torch.randn(rows, dim, generator=gen, device=dev).to(dtype)
-        register_loopback(mine, peer, g, 0)
+        slot = register_loopback(mine, peer, g, 0)
         keep.append((mine, peer))
         ids = torch.randint(0, 2 * rows, (4096,), generator=gen, device=dev)
-        got = native.gather_rows(mine, ids, 2)
+        got = gather.gather_rows(mine, slot, ids)
         res["rows_exact"].append(bool(torch.equal(got, torch.cat([mine, peer])[ids])))
         res["rows_digests"].append(digest(got))
-        tables.append((mine, ids))
+        tables.append((mine, slot, ids))
     torch.cuda.synchronize()
     wait = torch.ops._c10d_functional.wait_tensor.default
     op = torch.ops.magi.ce_all_gather.default
@@ -126,13 +126,13 @@ def main():
     mib = torch.randn(1 << 19, generator=gen, device=dev).to(torch.bfloat16)
     register_loopback(mib, torch.randn_like(mib), g, 0)
     five = [mib] * 5
-    row_table, row_ids = tables[0]
+    row_table, row_slot, row_ids = tables[0]
     res["cpu_us"] = {
         "op + wait_tensor": per_call_us(lambda: wait(op(mib, 2, name))),
         "coalesced x5 + 5 waits": per_call_us(lambda: [wait(o) for o in opc(five, 2, name)]),
-        "row gather 4096 x 8 KiB": per_call_us(lambda: native.gather_rows(row_table, row_ids, 2)),
+        "row gather 4096 x 8 KiB": per_call_us(lambda: gather.gather_rows(row_table, row_slot, row_ids)),
     }
-    res["device_us"] = {"row gather 4096 x 8 KiB": device_us(lambda: native.gather_rows(row_table, row_ids, 2))}
+    res["device_us"] = {"row gather 4096 x 8 KiB": device_us(lambda: gather.gather_rows(row_table, row_slot, row_ids))}
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"[{a.label}] {res['kernel_path']}")

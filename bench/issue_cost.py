@@ -46,9 +46,10 @@ def main():
         dist.init_process_group("gloo")
     import torch_ce
     from torch_ce.runtime import native, windows as W
+    from torch_ce.runtime.gather import kernel_path
 
     if not native.load():
-        raise SystemExit(f"issue_cost: {native.kernel_path('cuda')}")
+        raise SystemExit(f"issue_cost: {kernel_path('cuda')}")
 
     torch_ce.config.update(cost_mode="default")
     ws = dist.get_world_size()

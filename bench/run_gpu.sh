@@ -30,7 +30,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 TORCH_CE_CUDA_ARCH=90 timeout ${INSTALL_TIMEOUT:-90} python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/torch_ce_install.log 2>&1 \
   || { tail -40 /tmp/torch_ce_install.log; exit 1; }
-python3 -c "import torch_ce, torch_ce.runtime.native as N, torch; print('torch', torch.__version__, 'lib', N.library_path(), 'gather', N.kernel_path('cuda'))"
+python3 -c "import torch_ce, torch_ce.runtime.native as N, torch_ce.runtime.gather as G, torch; print('torch', torch.__version__, 'lib', N.library_path(), 'gather', G.kernel_path('cuda'))"
 for W in $WORLDS; do
   export TORCH_CE_GPU_WORLD=$W
   if has tests; then

@@ -99,8 +99,8 @@ def prepare() -> None:
     if not torch.cuda.is_available():
         import torch.utils._runtime_estimation as est
 
-        est.get_gpu_dram_gbps = lambda: 3000  # an H100's order of magnitude (GB/s)
-        est.get_device_tflops = lambda dtype: 500.0
+        est.get_gpu_dram_gbps = lambda *a, **k: 3000  # an H100's order of magnitude (GB/s)
+        est.get_device_tflops = lambda *a, **k: 500.0  # torch 2.15 passes device=
     # The real trainer stack first: test/zoo_models.py stubs some of its modules (for
     # torch.compile runs without it) only where nothing imported them yet.
     import torchtitan.experiments.graph_trainer.passes  # noqa: F401

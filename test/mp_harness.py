@@ -9,8 +9,10 @@ generator's device: CPU and CUDA tests share it), ``wait(t)`` (``wait_tensor``) 
 
 Spawns ``world_size`` fresh processes (``spawn`` start method, never fork: each child
 imports torch on its own, as a real job does). Each child sets ``env``, joins a process
-group over TCP on a free local port (for "nccl" it first selects GPU ``rank`` and passes
-``device_id``), runs ``fn(rank, world_size, *args)``, waits at a barrier (peers may still
+group through a TCPStore that this (the test's) process serves for the whole run, on a
+port the kernel gave it: no port is probed free and then bound later, so concurrent
+pytest-xdist workers never race for one (for "nccl" it first selects GPU ``rank`` and
+passes ``device_id``), runs ``fn(rank, world_size, *args)``, waits at a barrier (peers may still
 be reading this rank's windows), then calls ``torch_ce.release_all()`` and destroys the
 group. ``fn`` must be a module-level function and its return value picklable; the list
 of return values comes back in rank order.
@@ -39,12 +41,6 @@ import torch.multiprocessing as mp
 
 # torch_ce is imported lazily here: a spawned rank must apply its ``env`` (TORCH_CE_NATIVE,
 # TORCH_CE_* config) before torch_ce reads it at import.
-def free_port() -> int:
-    from torch_ce._net import free_port as _free_port
-
-    return _free_port()
-
-
 def all_gather_json(obj, group=None):
     from torch_ce._net import all_gather_json as _all_gather_json
 
@@ -87,9 +83,8 @@ def _child(rank, world_size, port, backend, env, fn, args, q):
         if backend == "nccl":
             torch.cuda.set_device(rank)
             kw["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}", **kw
-        )
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, store=store, **kw)
         try:
             out = fn(rank, world_size, *args)
             # Peers may still be reading this rank's windows: leave together.
@@ -108,9 +103,12 @@ def _child(rank, world_size, port, backend, env, fn, args, q):
 
 def run_ranks(fn, world_size, *args, timeout=120, backend="gloo", env=None):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; see module doc."""
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    port = free_port()
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # see module doc
+    port = server.port
     procs = [
         ctx.Process(target=_child, args=(r, world_size, port, backend, env, fn, args, q), daemon=True)
         for r in range(world_size)
@@ -152,6 +150,7 @@ def run_ranks(fn, world_size, *args, timeout=120, backend="gloo", env=None):
                 p.kill()
         for p in procs:
             p.join(10)
+        del server  # served until every rank is gone
     if errors:
         text = "\n".join(f"---- rank {r} ----\n{errors[r]}" for r in sorted(errors))
         pytest.fail(f"{fn.__name__}: {len(errors)} of {world_size} ranks failed:\n{text}", pytrace=False)

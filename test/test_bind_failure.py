@@ -155,7 +155,7 @@ def _rank_compiled(rank: int, world: int, cache_root: str) -> dict:
             real(slots, moved)
 
         binding._move_into_slots = fail
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with pytest.raises(Exception) as err:
             compiled(x)
         binding._move_into_slots = real

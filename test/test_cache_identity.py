@@ -104,7 +104,7 @@ def test_every_cache_key_field_changes_both_keys(name):
 
 
 # Run-time-only settings: they change what a bind or a calibration does, never the graph.
-RUN_TIME_ONLY = {"cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "cuda_torch_fallback"}
+RUN_TIME_ONLY = {"cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "cuda_torch_fallback", "shm_prefix"}
 
 
 def test_cache_key_is_every_field_but_the_run_time_ones():

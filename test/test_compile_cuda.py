@@ -36,11 +36,11 @@ def _e2e(rank, world, cache_root):
     with torch.no_grad():
         eager = model(x)
         torch_ce.enable(transport="nccl")
-        ref = torch.compile(model)(x)
+        ref = torch.compile(model, fullgraph=True)(x)
         torch_ce.disable()
         torch._dynamo.reset()
         torch_ce.enable(transport="copy_engine")
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         out, code = run_and_get_code(compiled, x)
         out2 = compiled(x)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -2,16 +2,15 @@
 
 2 and 3 gloo ranks: the generated code calls the CE ops, outputs equal eager exactly on
 fresh random inputs, the parameters view the windows after the first run, and a second
-job with the same (warm) FX graph cache dir still binds and gives the same outputs.
+job with the same (warm) FX graph cache dirs, one per rank, still binds and gives the same
+outputs.
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-from mp_harness import run_ranks
+from mp_harness import run_ranks, setup_compile
 
 
 def _model(world, seed):
@@ -32,19 +31,18 @@ def _model(world, seed):
     return shard_linears(model, mesh), eager.requires_grad_(False), dims[0]
 
 
-def _run(rank, world, cache_dir, seed):
+def _run(rank, world, cache_root, seed):
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
     import torch_ce
     from torch_ce.runtime import windows as W
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    torch.set_num_threads(1)
+    setup_compile(cache_root, rank, fx_cache=True)  # this rank's own dir, warm in the second job
     model, eager, d_in = _model(world, seed)
     torch_ce.enable(transport="copy_engine")
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         outs = []
         with torch.no_grad():
             for i in range(3):  # fresh random inputs each call (same on every rank)
@@ -78,7 +76,7 @@ def _run(rank, world, cache_dir, seed):
 # test_uneven_host by default.
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_compiled_simple_fsdp_host_transport(world, tmp_path):
-    cache = str(tmp_path / "inductor_cache")
+    cache = str(tmp_path.resolve())
     seed = int(torch.randint(0, 2**31, ()).item())
     first = run_ranks(_run, world, cache, seed, timeout=300)
     for r in first:

@@ -226,7 +226,7 @@ def test_ce_launch_cost_follows_bytes(monkeypatch):
                     full = w.redistribute(placements=[Replicate()]).to_local()
                     x = torch.relu(x @ full.t() @ full)
                 return x
-            torch.compile(f)(torch.randn(4, 256))
+            torch.compile(f, fullgraph=True)(torch.randn(4, 256))
     finally:
         torch_ce.disable()
         torch._dynamo.reset()

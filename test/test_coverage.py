@@ -92,7 +92,7 @@ def _train_counting(torch_ce_on: bool, seed, xs, **cfg):
         saved = ic.post_grad_custom_post_pass
         ic.post_grad_custom_post_pass = _PlainCounter(count)
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         losses = []
         for x in xs:
             loss = compiled(x).pow(2).mean()
@@ -166,7 +166,7 @@ def _rank_rows(rank, world, seed, cache):
     torch_ce.enable(transport="copy_engine", symm_min_shard_mib=100 / 2**20)
     try:
         with torch.no_grad():
-            out = torch.compile(model)(ids)
+            out = torch.compile(model, fullgraph=True)(ids)
     finally:
         torch_ce.disable()
     e = torch_ce.explain()

@@ -72,7 +72,7 @@ def _loop_exact(rank, world):
     torch.cuda.set_device(dev)
     gen = torch.Generator(device=dev).manual_seed(os.getpid())
     name = dist.group.WORLD.group_name
-    res = dict(loaded=native.loaded(), default=int(torch.ops.torch_ce_native.dim_strategy()))
+    res = dict(loaded=native.loaded(), default=native.dim_strategy())
     keep = []
     for pos in (0, 1):
         pairs = _pairs(dev, gen, pos)
@@ -94,7 +94,7 @@ def _loop_exact(rank, world):
                     ordered=ordered,
                     shapes=[tuple(a.shape) == tuple(b.shape) for a, b in zip(got, exp)])
     native.set_split_local_copy(True)
-    res["strategy_after"] = int(torch.ops.torch_ce_native.dim_strategy())
+    res["strategy_after"] = native.dim_strategy()
     try:
         torch.ops.magi.ce_all_gather_dim(torch.randn(4, 4, device=dev), 2, name, 1)
         res["unbound"] = "no error"

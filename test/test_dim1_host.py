@@ -79,7 +79,7 @@ def _compiled(model, xs, **cfg):
     torch._dynamo.reset()
     torch_ce.enable(**cfg)
     try:
-        c = torch.compile(model)
+        c = torch.compile(model, fullgraph=True)
         with torch.no_grad():
             out0, codes = run_and_get_code(c, xs[0])
             outs = [out0] + [c(x) for x in xs[1:]]
@@ -268,7 +268,7 @@ def _train(transport, model, batches, **cfg):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch_ce.enable(transport=transport, reshard_after_forward=True, **cfg)
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         losses, code = [], ""
         for i, x in enumerate(batches):
             def step():

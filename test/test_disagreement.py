@@ -97,7 +97,7 @@ def _compiled_disagreement(rank, ws, cache_root):
     torch_ce.enable(transport="copy_engine", symm_min_shard_mib=0.0 if rank == 0 else 1000.0,
                     cost_cache_dir=os.path.join(cache_root, "cost"))
     try:
-        compiled = torch.compile(f)
+        compiled = torch.compile(f, fullgraph=True)
         with torch.no_grad():
             out0, codes = run_and_get_code(compiled, xs[0])
             out1 = compiled(xs[1])

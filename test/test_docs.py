@@ -27,12 +27,38 @@ _REFERENCE = re.compile(r"NOTE \[([^\]]+)\](?:\s*(?:in|\()\s*`?([\w./-]+\.(?:py|
 _PATH = re.compile(r"(?<![\w./~-])((?:[\w-]+/)+(?:[\w.-]+\.(?:py|h|cu|cpp|md|sh|json|png|log))?)(?![\w/-])")
 
 
-def _tracked(root: str) -> list[str]:
+def _git(root: str, *args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "ls-files"], cwd=root, check=True, capture_output=True, text=True)
+        return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout")
-    return [p for p in out.stdout.split() if p.endswith((".py", ".h", ".cu", ".cpp", ".md", ".sh"))
+        return None
+
+
+# Walked when git cannot list the tree: what .gitignore leaves out (builds, caches) and
+# hidden folders other than .ci/.
+_NOT_SOURCE = ("__pycache__", "build", "dist")
+
+
+def _walk(root: str) -> list[str]:
+    out = []
+    for here, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _NOT_SOURCE and not d.endswith(".egg-info")
+                         and (not d.startswith(".") or (here == root and d == ".ci")))
+        out += [os.path.relpath(os.path.join(here, f), root) for f in files]
+    return sorted(out)
+
+
+def _tracked(root: str) -> list[str]:
+    """The repository's source files: git's tracked files when ``root`` is its own checkout
+    (the git toplevel); else (an unpacked archive, a copy inside another repository, where
+    git would list the outer repository's files or none) every file under ``root``."""
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is not None and os.path.realpath(top.strip()) == os.path.realpath(root):
+        listed = _git(root, "ls-files") or ""
+        paths = listed.split()
+    else:
+        paths = _walk(root)
+    return [p for p in paths if p.endswith((".py", ".h", ".cu", ".cpp", ".md", ".sh"))
             or p.startswith(".ci/")]
 
 
@@ -148,3 +174,18 @@ def test_the_path_checker_catches_a_missing_file(tmp_path):
     _tree(tmp_path, {"docs/DESIGN.md": "Measured by `probes/e2e.py`; see runtime/windows.py, `bench/results/`.\n",
                      "torch_ce/runtime/windows.py": "", "bench/results/README.md": ""})
     assert missing_paths(str(tmp_path), "docs/DESIGN.md") == ["probes/e2e.py"]
+
+
+def test_a_tree_inside_another_repository_is_walked(tmp_path):
+    """Unpacked inside another git repository, the tree's files are walked (that git would
+    list none of them); in its own checkout, git's tracked files are listed."""
+    if _git(str(tmp_path), "--version") is None:
+        pytest.skip("no git")
+    inner = tmp_path / "outer" / "vendor" / "torch_ce"
+    _tree(inner, {"torch_ce/a.py": "# NOTE [a]\n", ".ci/run": "", "README.md": "",
+                  "torch_ce/__pycache__/a.py": "", ".git_like/b.py": "", "build/c.py": ""})
+    assert _git(str(tmp_path / "outer"), "init", "-q") is not None
+    assert _tracked(str(inner)) == [".ci/run", "README.md", "torch_ce/a.py"]
+    assert note_definitions(str(inner), _tracked(str(inner))) == {"a": {"torch_ce/a.py"}}
+    assert _git(str(inner), "init", "-q") is not None and _git(str(inner), "add", "README.md") is not None
+    assert _tracked(str(inner)) == ["README.md"]

@@ -11,6 +11,7 @@ twice per forward, as torchtitan's ``Embedding.forward`` does: two gathers, one 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import pkgutil
 import random
 
@@ -20,6 +21,7 @@ import torch
 import torch_ce
 from mp_harness import TitanEmbedding, fsdp_every_param, run_ranks, setup_compile
 from torch_ce.passes.param_names import fqn_from_source
+from torch_ce.runtime import native
 
 TIMEOUT = 150
 PACKAGES = ["torch_ce", "torch_ce.runtime", "torch_ce.passes"]
@@ -31,7 +33,15 @@ PACKAGES = ["torch_ce", "torch_ce.runtime", "torch_ce.passes"]
 
 
 def _submodules(pkg: str) -> list[str]:
-    return [m.name for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__)]
+    """``pkg``'s Python submodules. The built C++ kernels (``runtime/_ce_torch*.so``) are a
+    torch op library, not a Python extension module: ``runtime.native.load()`` loads them
+    (``torch.ops.load_library``); importing them as a module fails (no ``PyInit``)."""
+    out = []
+    for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__):
+        spec = m.module_finder.find_spec(f"{pkg}.{m.name}")
+        if not isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
+            out.append(m.name)
+    return out
 
 
 def test_public_names_are_not_submodule_names():
@@ -62,12 +72,22 @@ def test_importing_every_submodule_keeps_the_public_api():
     # What the statements ``import torch_ce.config`` / ``import torch_ce.explanation`` run.
     __import__("torch_ce.config")
     __import__("torch_ce.explanation")
+    native.load()  # the C++ kernels, by the product's loader (a no-op where none is built)
 
     changed = [k for k, v in before.items() if getattr(torch_ce, k) is not v]
     assert not changed, f"importing submodules rebound torch_ce attributes: {changed}"
     assert isinstance(torch_ce.config, torch_ce.config.__class__) and hasattr(torch_ce.config, "transport")
     for _ in range(3):
         assert isinstance(torch_ce.explain(), torch_ce.explanation.Explanation)
+
+
+def test_header_names_the_transport_and_the_torch():
+    """The table's first line says which transport and which torch (a report pasted into an
+    issue says what it ran on); ``as_dict()`` carries the torch too."""
+    e = torch_ce.explain()
+    assert e.table().splitlines()[0] == (
+        f"torch_ce explain (transport={torch_ce.config.transport}, torch {torch.__version__})")
+    assert e.as_dict()["torch"] == torch.__version__
 
 
 @pytest.mark.parametrize("source,fqn", [
@@ -130,7 +150,7 @@ def _rank(rank, ws, seed, cache_root):
         for i, (model, x) in enumerate(zip(models, inputs)):
             with torch.no_grad():
                 eager = model(x)
-                got = torch.compile(model)(x)
+                got = torch.compile(model, fullgraph=True)(x)
             if i == 1:
                 import torch_ce.config  # noqa: F401
                 import torch_ce.passes.manager  # noqa: F401
@@ -175,3 +195,5 @@ def test_explain_three_times_with_param_names(tmp_path):
                 assert gathers == want_gathers, (ctx, param, gathers)
                 assert param in s["table"], (ctx, param, s["table"])
             assert "arg0_1" not in s["table"], (ctx, s["table"])
+            head = f"torch_ce explain (transport=copy_engine, torch {torch.__version__})"
+            assert s["table"].splitlines()[0] == head, (ctx, s["table"])

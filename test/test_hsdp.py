@@ -8,8 +8,9 @@ shared by ranks] in torch_ce/passes/identity.py). Here every rank compiles three
 twice into the same dir, cold and then warm in fresh processes: an even HSDP model, one
 with an uneven weight, and a 1-D fully_shard model over all ranks. Each run must use the
 magi ops, match eager on fresh data, bind into windows of its shard group only, and the
-warm run must be served from the cache. The AOTAutograd keys show the sharing: equal
-within a shard group (even HSDP), equal on all ranks (1-D), all distinct (uneven).
+warm run must be served from the cache (which cache depends on torch: ``AOT_CACHE_TAKES_DTENSOR``).
+The AOTAutograd keys show the sharing: equal within a shard group (even HSDP), equal on
+all ranks (1-D), all distinct (uneven).
 
 The 8-rank cases (a (2, 4) HSDP mesh and an 8-rank fully_shard mesh) share one spawn and
 one compile of a tiny model: ~35 s on 2 cores, so they run by default.
@@ -30,6 +31,25 @@ from test_torchtitan import TinyDecoder  # noqa: E402
 TIMEOUT = 300
 CE_CALL = re.compile(r"= torch\.ops\.magi\.ce_all_gather(_coalesced|_padded)?\.default\(")
 DIMS = ("dp_replicate", "dp_shard")
+
+
+def _aot_cache_takes_dtensor() -> bool:
+    """The torch fact the warm-run test relies on, checked on this torch.
+
+    Torch 2.11 (2.11.0+cu130, seen on the GPU machine): Dynamo records ``redistribute`` as
+    a call of a local closure (``TensorVariable.method_redistribute``'s
+    ``prim_redistribute``), which AOTAutograd's cache refuses ("Bypassing autograd cache
+    due to: Unsupported call_function target ... prim_redistribute"): every DTensor graph
+    bypasses it, and the FX graph cache serves the warm run (keyed on the AOT output graph,
+    which names each rank's groups and local shapes). Torch 2.13 (CI) has no such closure:
+    AOTAutograd's cache serves the warm run, keyed by torch_ce's identity (NOTE [a cache
+    shared by ranks] in torch_ce/passes/identity.py)."""
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    return not hasattr(TensorVariable, "method_redistribute")
+
+
+AOT_CACHE_TAKES_DTENSOR = _aot_cache_takes_dtensor()
 
 
 def _build(mesh, mode, out=8, seed=0):
@@ -75,7 +95,7 @@ def _run_model(model, rank, seed, keys):
     torch_ce.enable(transport="copy_engine")
     try:
         with torch.no_grad():
-            out, codes = run_and_get_code(torch.compile(model), x)
+            out, codes = run_and_get_code(torch.compile(model, fullgraph=True), x)
     finally:
         torch_ce.disable()
     slots = {}
@@ -89,6 +109,7 @@ def _run_model(model, rank, seed, keys):
         exact=torch.equal(out, eager), max_diff=float((out - eager).abs().max()),
         ce_calls=len(CE_CALL.findall("\n".join(codes))), slots=slots,
         aot={k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
+        fx={k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
         key=keys[n_keys] if keys is not None and len(keys) > n_keys else None,
         shapes={n: tuple(p._local_tensor.shape) for n, p in model.named_parameters()},
     )
@@ -145,13 +166,19 @@ def test_shared_cache_every_rank_runs_ce_and_matches_eager(shared, phase, model)
 def test_warm_run_is_served_from_the_shared_cache(shared):
     for rank, r in enumerate(shared["warm"]):
         for model in ("even", "uneven", "fsdp"):
-            aot = r[model]["aot"]
-            assert aot.get("autograd_cache_hit", 0) >= 1 and not aot.get("autograd_cache_miss"), (rank, model, aot)
+            aot, fx = r[model]["aot"], r[model]["fx"]
+            if AOT_CACHE_TAKES_DTENSOR:
+                assert aot.get("autograd_cache_hit", 0) >= 1 and not aot.get("autograd_cache_miss"), (rank, model, aot)
+            else:  # torch 2.11: AOTAutograd bypasses DTensor graphs; the FX graph cache serves
+                assert aot.get("autograd_cache_bypass", 0) >= 1 and not aot.get("autograd_cache_hit"), (rank, model, aot)
+                assert fx.get("fxgraph_cache_hit", 0) >= 1 and not fx.get("fxgraph_cache_miss"), (rank, model, fx)
 
 
 def test_cache_keys_share_exactly_where_the_code_is_the_same(shared):
     res = shared["cold"]
     keys = {m: [r[m]["key"] for r in res] for m in ("even", "uneven", "fsdp")}
+    if not AOT_CACHE_TAKES_DTENSOR:
+        pytest.skip("torch 2.11: AOTAutograd's cache takes no DTensor graph (no key to compare)")
     if any(k is None for ks in keys.values() for k in ks):
         pytest.skip("AOTAutograd's autograd_cache_key is not where this test looks")
     groups = [r["shard_ranks"] for r in res]

@@ -28,12 +28,13 @@ from mp_harness import quiet_warnings, run_ranks, setup_compile
 from mp_harness import reference_all_gather as _ref_gather
 from mp_harness import seed_base as _base
 from torch_ce import all_gather as _ce  # bound-shard gather + wait
+from torch_ce.config import config
 
 
 def _shm_maps() -> list[str]:
     """Lines of /proc/self/maps that map one of our shared-memory segments."""
     with open("/proc/self/maps") as f:
-        return [ln.strip() for ln in f if "/dev/shm/torch_ce_" in ln]
+        return [ln.strip() for ln in f if f"/dev/shm/{config.shm_prefix}" in ln]
 
 
 def _n_windows() -> int:
@@ -286,7 +287,7 @@ def _rank_recompile(rank, ws, cache_root, phase):
         ))
 
     try:
-        c = torch.compile(f)
+        c = torch.compile(f, fullgraph=True)
         step("first", c, 0)
         gc.collect()
         old_expired = [w.expired() for w in old]
@@ -294,13 +295,13 @@ def _rank_recompile(rank, ws, cache_root, phase):
         step("new shape", c, 1)  # recompile (automatic dynamic)
         step("another shape", c, 2)
         torch._dynamo.reset()
-        step("dynamic=True", torch.compile(f, dynamic=True), 3)
+        step("dynamic=True", torch.compile(f, dynamic=True, fullgraph=True), 3)
         torch._dynamo.reset()
-        step("after reset", torch.compile(f), 0)
+        step("after reset", torch.compile(f, fullgraph=True), 0)
         # Teardown mid-job: forget every window; the next run binds into new ones.
         dist.barrier()
         torch_ce.release_all()
-        step("after release_all", c if phase else torch.compile(f), 0)
+        step("after release_all", c if phase else torch.compile(f, fullgraph=True), 0)
     finally:
         torch_ce.disable()
     return dict(steps=steps, old_expired=old_expired)
@@ -399,7 +400,7 @@ def _rank_groups(rank, ws, cache_root):
         eager = [f(x) for x in xs]
     torch_ce.enable(transport="copy_engine")
     try:
-        compiled = torch.compile(f)
+        compiled = torch.compile(f, fullgraph=True)
         with torch.no_grad():
             outs = [compiled(x) for x in xs]
     finally:
@@ -443,6 +444,8 @@ def test_dense_and_expert_groups_use_separate_pools(tmp_path):
     (dict(window_cap_mib=0), "window_cap_mib must be > 0"),
     (dict(window_cap_mib=-4), "window_cap_mib must be > 0"),
     (dict(comm_overlap_window_scale=0), "comm_overlap_window_scale must be > 0"),
+    (dict(shm_prefix="a/b"), "shm_prefix must be"),
+    (dict(shm_prefix=""), "shm_prefix must be"),
     (dict(bogus_option=1), "unknown config option"),
     (dict(transport="copy_engine", symm_min_shard_mib=-1), "symm_min_shard_mib"),
 ])
@@ -474,6 +477,7 @@ def test_bad_config_raises_and_changes_nothing(kw, msg):
     ({"TORCH_CE_WINDOW_CAP_MIB": "-5"}, "window_cap_mib must be > 0"),
     ({"TORCH_CE_BUCKET_SIZE_MIB": "-1"}, "bucket_size_mib must be >= 0"),
     ({"TORCH_CE_COST_MODE": "none"}, "cost_mode must be one of"),
+    ({"TORCH_CE_SHM_PREFIX": "job 1"}, "shm_prefix must be"),
 ])
 def test_bad_env_values_raise(env, msg):
     from torch_ce.config import from_env
@@ -488,9 +492,9 @@ def test_good_env_values_parse():
     c = from_env({"TORCH_CE_TRANSPORT": "copy_engine", "TORCH_CE_HOST_TRANSPORT": "off",
                   "TORCH_CE_REORDER": "TRUE", "TORCH_CE_SYMM_MIN_SHARD_MIB": " 2.5 ",
                   "TORCH_CE_WINDOW_CAP_MIB": "64", "TORCH_CE_COST_MODE": "default",
-                  "TORCH_CE_BUCKET_SIZE_MIB": "", "UNRELATED": "x"})
+                  "TORCH_CE_BUCKET_SIZE_MIB": "", "TORCH_CE_SHM_PREFIX": "job7_", "UNRELATED": "x"})
     assert (c.transport, c.host_transport, c.reorder, c.symm_min_shard_mib, c.window_cap_mib,
-            c.cost_mode, c.bucket_size_mib) == ("copy_engine", False, True, 2.5, 64.0, "default", 0.0)
+            c.cost_mode, c.bucket_size_mib, c.shm_prefix) == ("copy_engine", False, True, 2.5, 64.0, "default", 0.0, "job7_")
     assert c.window_cap_bytes == 64 * 2**20 and c.min_shard_bytes == int(2.5 * 2**20)
 
 
@@ -649,7 +653,8 @@ _REORDER_KEYS = {"reorder_for_compute_comm_overlap", "reorder_for_compute_comm_o
                  "estimate_op_runtime"}
 _OFF_KEYS = {"reorder_for_locality", "bucket_all_gathers_fx",
              "aten_distributed_optimizations.enable_overlap_scheduling",
-             "aten_distributed_optimizations.enable_low_contention_collectives"}
+             "aten_distributed_optimizations.enable_low_contention_collectives",
+             "aten_distributed_optimizations.enable_simple_overlap"}
 
 
 def _installed(ic):

@@ -91,7 +91,7 @@ def _rank(rank, ws, seed, cache_root):
     torch_ce.enable(transport="copy_engine")
     try:
         with torch.no_grad():
-            out = torch.compile(model)(x)
+            out = torch.compile(model, fullgraph=True)(x)
         compiled = {n: isinstance(W.lookup(p._local_tensor), W.Slot) for n, p in model.named_parameters()}
         from torch_ce import report
 

@@ -56,7 +56,7 @@ def _run(transport, seed, xs, training):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if training else None
     torch_ce.enable(transport=transport, reshard_after_forward=True if training else None)
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         outs = []
         for x in xs:
             if training:
@@ -141,7 +141,7 @@ def _rank_weight_mutation(rank, world, seed, cache):
         torch._dynamo.reset()
         torch_ce.enable(transport=transport)
         try:
-            c = torch.compile(f)
+            c = torch.compile(f, fullgraph=True)
             with torch.no_grad():
                 outs[transport] = [c(x, a, b) for _ in range(2)]
         finally:

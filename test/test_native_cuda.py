@@ -215,7 +215,7 @@ def _loop_trees(rank, world):
     full_ref = torch.cat([m, p])
     ref = x @ full_ref.view(128, 64)
     counters.clear()
-    g = torch.compile(f, mode="reduce-overhead")
+    g = torch.compile(f, mode="reduce-overhead", fullgraph=True)
     outs = [[t.clone() for t in g(m, x)] for _ in range(3)]  # warm-up, record, replay
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         outs.append([t.clone() for t in g(m, x)])
@@ -354,14 +354,14 @@ def _compiled_cudagraphs(rank, world, cache_root):
         torch_ce.enable(transport="copy_engine")
         # Graphs first: the bind step runs inside the trees' warm-up run.
         counters.clear()
-        graphed = torch.compile(model, mode="reduce-overhead")
+        graphed = torch.compile(model, mode="reduce-overhead", fullgraph=True)
         outs = [graphed(x).clone() for _ in range(3)]  # warm-up (binds), record, replay
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             outs.append(graphed(x).clone())
         torch.cuda.synchronize()
         skips = int(counters["inductor"]["cudagraph_skips"])
         torch._dynamo.reset()
-        plain = torch.compile(model)(x).clone()
+        plain = torch.compile(model, fullgraph=True)(x).clone()
         torch_ce.disable()
     res["cudagraph_skips"] = skips
     res["graph_launches"] = sum(e.name == "cudaGraphLaunch" for e in prof.events())

@@ -61,7 +61,7 @@ def train(transport, seed, xs, steps=3, **cfg):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch_ce.enable(transport=transport, reshard_after_forward=True, **cfg)
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         losses = []
         for i in range(steps):
             loss = compiled(xs[i % len(xs)]).float().pow(2).mean()
@@ -81,7 +81,7 @@ def infer(transport, seed, xs, **cfg):
     model = build(seed)
     torch_ce.enable(transport=transport, **cfg)
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with torch.no_grad():
             return [compiled(x) for x in xs]
     finally:
@@ -200,7 +200,7 @@ def _fuzz_run(transport, spec, rank, xs, **cfg):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if training else None
     torch_ce.enable(transport=transport, reshard_after_forward=True if training else None, **cfg)
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         outs = []
         for x in xs:
             if training:

@@ -45,7 +45,7 @@ def _rank_without_kernels(seed, world):
 
     import torch_ce
     from torch_ce import report
-    from torch_ce.runtime import native
+    from torch_ce.runtime import gather, native
     from torch_ce.runtime import windows as W
     from torch_ce.runtime.eligibility import Reason
 
@@ -59,7 +59,7 @@ def _rank_without_kernels(seed, world):
     xs = [torch.randn(5, d_in, generator=gen) for _ in range(3)]
     torch_ce.enable(transport="copy_engine")
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
             exact = [torch.equal(compiled(x), eager(x)) for x in xs]
@@ -80,7 +80,7 @@ def _rank_without_kernels(seed, world):
         bound=[len(b.bound) for b in report.binds],
         entries=[type(W.lookup(m.parametrizations.weight.original._local_tensor)).__name__ for m in linears],
         window_gathers=dict(counts),
-        path=native.kernel_path("cpu"),
+        path=gather.kernel_path("cpu"),
     )
 
 

@@ -68,6 +68,7 @@ def _make_dtensor_params(mesh, gen, specs):
 def _check_in_window(name, t):
     """``t`` is a bound shard that views its slot: no second copy anywhere."""
     import torch_ce.runtime.windows as W
+    from torch_ce.config import config
 
     slot = W.lookup(t)
     assert isinstance(slot, W.Slot), f"{name}: not bound after bind ({slot!r})"
@@ -77,7 +78,7 @@ def _check_in_window(name, t):
     assert t.untyped_storage().nbytes() == slot.nbytes == t.numel() * t.element_size(), name
     assert slot.offset % W.SLOT_ALIGN == 0 and addr % 512 == 0, f"{name}: slot at {addr:#x} not 512-aligned"
     path = _mapping_of(addr)
-    assert path.startswith("/dev/shm/torch_ce_"), f"{name}: storage is not a window mapping: {path!r}"
+    assert path.startswith(f"/dev/shm/{config.shm_prefix}"), f"{name}: storage is not a window mapping: {path!r}"
     return slot
 
 

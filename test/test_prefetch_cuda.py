@@ -40,12 +40,12 @@ def _prefetch_compiled(rank, world, cache_root):
     res: dict = dict(native=native.loaded())
     with torch.no_grad():
         torch_ce.enable(transport="copy_engine", prefetch_next_call_mib=0)
-        ref = [torch.compile(model)(x).clone() for x in xs]
+        ref = [torch.compile(model, fullgraph=True)(x).clone() for x in xs]
         torch._dynamo.reset()
 
         torch_ce.enable(transport="copy_engine", prefetch_next_call_mib=8)
         prefetch.reset_stats()
-        plain = torch.compile(model)
+        plain = torch.compile(model, fullgraph=True)
         res["plain_exact"] = [bool(torch.equal(plain(x), r)) for x, r in zip(xs, ref)]
         res["plain_stats"] = dict(prefetch.stats)
         res["members"] = len(torch_ce.report.graphs[-1].prefetch.get("members", []))
@@ -53,7 +53,7 @@ def _prefetch_compiled(rank, world, cache_root):
         torch_ce.drop_prefetched()
 
         counters.clear()
-        graphed = torch.compile(model, mode="reduce-overhead")
+        graphed = torch.compile(model, mode="reduce-overhead", fullgraph=True)
         outs = [graphed(x).clone() for x in xs]  # warm-up, record, replays
         outs.append(graphed(xs[0]).clone())
         res["graphs_exact"] = [bool(torch.equal(o, r)) for o, r in zip(outs, ref + ref[:1])]

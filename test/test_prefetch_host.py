@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mp_harness import reference_all_gather, run_ranks
+from mp_harness import reference_all_gather, run_ranks, setup_compile
 
 
 def _model(world, seed):
@@ -27,16 +27,13 @@ def _model(world, seed):
     return shard_linears(model, init_device_mesh("cpu", (world,))), eager.requires_grad_(False), dims
 
 
-def _run(rank, world, seed, cache_dir):
-    import os
-
+def _run(rank, world, seed, cache_root):
     import torch.distributed as dist
 
     import torch_ce
     from torch_ce.runtime import prefetch
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # a cold cache: the passes run here
-    torch.set_num_threads(1)
+    setup_compile(cache_root, rank)  # this rank's own cache, no FX graph cache: the passes run here
     model, eager, dims = _model(world, seed)
     shards = [m.parametrizations.weight.original._local_tensor for m in model]
     # The first two weights fit the budget (gathered bytes), the third does not.
@@ -45,7 +42,7 @@ def _run(rank, world, seed, cache_dir):
     prefetch.reset_stats()
     res: dict = dict(exact=[], stats=[])
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with torch.no_grad():
             def call(i):
                 torch.manual_seed(seed + 100 + i)  # fresh input, same on every rank
@@ -96,7 +93,7 @@ def _run(rank, world, seed, cache_dir):
 
 def test_prefetch_across_calls_host_transport(tmp_path):
     seed = int(torch.randint(0, 2**31, ()).item())
-    for r in run_ranks(_run, 2, seed, str(tmp_path / "inductor"), timeout=300):
+    for r in run_ranks(_run, 2, seed, str(tmp_path.resolve()), timeout=300):
         assert all(r["exact"]), r
         assert r["graph_prefetch"]["members"] and len(r["graph_prefetch"]["members"]) == 2, r
         # Calls 2 and 3 took both prefetched weights; call 1 had nothing parked.

@@ -24,9 +24,13 @@ c10d = torch.ops._c10d_functional
 
 
 def _joint(local_rows: int, rows: int, world: int = 3, cols: int = 4, cast: bool = False,
-           unread: bool = False) -> fx.Graph:
+           unread: bool = False, pad_all: bool = False, waits: int = 1) -> fx.Graph:
     """primals_1 (this rank's shard) [-> cast] [-> pad] -> all_gather -> wait [-> slice];
-    ``unread``: nothing reads the wait (the graph returns the shard)."""
+    ``unread``: nothing reads the wait (the graph returns the shard). Torch releases
+    differ in how they trace it, and the verdict must not: ``pad_all``, torch 2.15's form
+    of an uneven gather (every rank pads, the long ranks by zero rows; older torch pads
+    only the short ranks); ``waits=2``, torch 2.14's CSE of a weight read twice (one
+    gather, a first wait nobody reads, then the read one)."""
     ceil = -(-rows // world)
     g = fx.Graph()
     w = g.placeholder("primals_1")
@@ -36,13 +40,14 @@ def _joint(local_rows: int, rows: int, world: int = 3, cols: int = 4, cast: bool
         x = g.call_function(torch.ops.prims.convert_element_type.default, (x, torch.bfloat16))
         x.meta["val"] = torch.empty(local_rows, cols, dtype=torch.bfloat16)
     dtype = x.meta["val"].dtype
-    if local_rows < ceil:
+    if local_rows < ceil or (pad_all and world * ceil != rows):
         x = g.call_function(aten.constant_pad_nd.default, (x, [0, 0, 0, ceil - local_rows]))
         x.meta["val"] = torch.empty(ceil, cols, dtype=dtype)
     ag = g.call_function(c10d.all_gather_into_tensor.default, (x, world, "0"))
     ag.meta["val"] = torch.empty(world * ceil, cols, dtype=dtype)
-    wt = g.call_function(c10d.wait_tensor.default, (ag,))
-    wt.meta["val"] = ag.meta["val"]
+    for _ in range(waits):  # the last one is read
+        wt = g.call_function(c10d.wait_tensor.default, (ag,))
+        wt.meta["val"] = ag.meta["val"]
     out = wt
     if unread:
         g.output(w)
@@ -85,12 +90,35 @@ def test_even_shards_are_served_and_tagged():
 
 
 def test_uneven_and_empty_shards_decide_alike():
+    """Every rank's verdict and tags are the same, and the same whether the long ranks pad
+    by zero rows (torch 2.15) or not at all (older torch): NOTE [uneven pads are not a
+    rank's fact]."""
     for rows in (7, 8, 2, 1):  # 3,3,1 / 3,3,2 / 1,1,0 / 1,0,0
         locals_ = _shards(rows)
-        verdicts = {_verdict(_joint(n, rows), CFG) for n in locals_}
-        assert len(verdicts) == 1, (rows, locals_, verdicts)
-        tags = {tuple(t for t in _tags(_joint(n, rows), CFG) if "constant_pad" not in t) for n in locals_}
+        verdicts = {_verdict(_joint(n, rows, pad_all=p), CFG) for n in locals_ for p in (False, True)}
+        assert verdicts == {None}, (rows, locals_, verdicts)
+        tags = {tuple(t for t in _tags(_joint(n, rows, pad_all=p), CFG) if "constant_pad" not in t)
+                for n in locals_ for p in (False, True)}
         assert len(tags) == 1, (rows, tags)
+
+
+def test_one_gather_with_two_waits_is_one_read_gather():
+    """NOTE [one gather, several waits]: the CSE'd form of a weight read twice is served
+    (reshard and gate alike) as one gather with one wait, on every rank."""
+    from torch_ce.passes import fx_utils
+
+    for training in (True, False):
+        for rows in (6, 7):
+            for n in _shards(rows):
+                ctx = (training, rows, n)
+                g = _joint(n, rows, waits=2)
+                tags = _tags(g, CFG)  # the reshard pass merges the waits, then tags the chain
+                assert any("all_gather" in t for t in tags) and any("wait_tensor" in t for t in tags), (ctx, tags)
+                g = _joint(n, rows, waits=2)
+                assert fx_utils.merge_waits(g) == 1, ctx
+                waits = [x for x in g.nodes if x.target is c10d.wait_tensor.default]
+                assert len(waits) == 1 and waits[0].users, ctx
+                assert _gate_verdicts(g, CFG, is_inference=not training) == [None], ctx
 
 
 def test_minimum_size_is_the_slot_not_the_local_shard():
@@ -148,8 +176,8 @@ def test_serving_refusal_is_the_gates_verdict():
                 cfg = Config(host_transport=True, training=True, cast_slots=slots)
                 for rows in (6, 7, 2):
                     got = set()
-                    for n in _shards(rows):
-                        g = _joint(n, rows, cast=cast)
+                    for n, pad_all in ((n, p) for n in _shards(rows) for p in (False, True)):
+                        g = _joint(n, rows, cast=cast, pad_all=pad_all)
                         ag = next(x for x in g.nodes if x.target is c10d.all_gather_into_tensor.default)
                         why = gate.serving_refusal(ag, cfg, training=training,
                                                    ph_index=gate._placeholder_index(g), mutated=set())

@@ -113,7 +113,7 @@ def _matrix(rank, ws, dev, dtype):
     n = len(report.graphs)
     torch._dynamo.reset()
     torch_ce.enable(transport="copy_engine", symm_min_shard_mib=FLOOR_MIB, cast_slots=False)
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         out0, codes = run_and_get_code(compiled, xs[0])
         out1 = compiled(xs[1])
@@ -164,7 +164,7 @@ def _training(rank, ws, dev):
     n, nb = len(report.graphs), len(report.binds)
     torch._dynamo.reset()
     torch_ce.enable(transport="copy_engine", symm_min_shard_mib=0)
-    out = torch.compile(f)(x, *ws_c)
+    out = torch.compile(f, fullgraph=True)(x, *ws_c)
     out.sum().backward()
     grads = [(c.grad.to_local(), e.grad.to_local()) for c, e in zip(ws_c, ws_e)]
     recs = report.graphs[n:]
@@ -203,7 +203,7 @@ def _mutation(rank, ws, dev, dtype):
     n = len(report.graphs)
     torch._dynamo.reset()
     torch_ce.enable(transport="copy_engine", symm_min_shard_mib=0)
-    c = torch.compile(f)
+    c = torch.compile(f, fullgraph=True)
     with torch.no_grad():
         out = [c(x, w_c) for _ in range(2)]
     recs = report.graphs[n:]

@@ -18,27 +18,30 @@ pytestmark = needs_gpu_world
 
 
 def _rank_op_cuda(rank, ws, base, kind):
-    """test_rows_host's op checks on CUDA, counting which row path served them."""
+    """test_rows_host's op checks on CUDA, counting which row path served them ("native":
+    the row kernel ``gather.row_path()`` chose, CUDA or Triton; "torch": ``take_rows``)."""
     import torch_ce
     from test_rows_host import _rank_op
-    from torch_ce.runtime import gather, native
+    from torch_ce.runtime import gather, native, rows_triton
 
     if kind == "native":
         assert native.loaded(), "the C++ kernels are not loaded"
     else:
         assert not native.loaded() and torch_ce.config.cuda_torch_fallback
     counts = {"native": 0, "torch": 0}
-    real_native, real_torch = native.gather_rows, gather.take_rows
 
-    def native_(*a):
-        counts["native"] += 1
-        return real_native(*a)
+    def counted(mod, name, path):
+        real = getattr(mod, name)
 
-    def torch_(*a):
-        counts["torch"] += 1
-        return real_torch(*a)
+        def call(*a):
+            counts[path] += 1
+            return real(*a)
 
-    native.gather_rows, gather.take_rows = native_, torch_
+        setattr(mod, name, call)
+
+    counted(native, "gather_rows", "native")
+    counted(rows_triton, "gather_rows", "native")
+    counted(gather, "take_rows", "torch")
     checked = _rank_op(rank, ws, base, "cuda")
     torch.cuda.synchronize()  # a device-side fault would surface here
     return checked, counts
@@ -80,8 +83,8 @@ def _rank_compiled_cuda(rank, ws, base, cache_root):
     try:
         with torch.no_grad():
             eager = model(ids)
-            got, codes = run_and_get_code(torch.compile(model), ids)
-            again = torch.compile(model)(ids.flip(1))
+            got, codes = run_and_get_code(torch.compile(model, fullgraph=True), ids)
+            again = torch.compile(model, fullgraph=True)(ids.flip(1))
             eager_again = model(ids.flip(1))
         torch.cuda.synchronize()
         return dict(exact=[torch.equal(got, eager), torch.equal(again, eager_again)],

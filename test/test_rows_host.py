@@ -162,8 +162,8 @@ def _rank_compiled(rank, ws, base, cache_root):
             ids = ids.view(4, -1)
             with torch.no_grad():
                 eager = model(ids)
-                got, codes = run_and_get_code(torch.compile(model), ids)
-                again = torch.compile(model)(ids.flip(1))  # bound now; other ids
+                got, codes = run_and_get_code(torch.compile(model, fullgraph=True), ids)
+                again = torch.compile(model, fullgraph=True)(ids.flip(1))  # bound now; other ids
                 eager_again = model(ids.flip(1))
             code = "\n".join(codes)
             e = torch_ce.explain()

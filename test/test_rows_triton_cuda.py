@@ -4,7 +4,7 @@
 kernel's reads through the owners' addresses run on one device. Checked exactly against
 ``torch.embedding`` of the concatenated table, for every row width the word choice covers
 (16-byte, 8, 4, 2 and 1-byte rows), int64 and int32 ids, both positions in the pair; the row
-path the library uses (``native.gather_rows``: the CUDA kernel in an nvcc build, this one
+path the library uses (``gather.gather_rows``: the CUDA kernel in an nvcc build, this one
 otherwise) against it; a CUDA-graph capture replayed with new ids and new table contents
 (no host sync, no stale address); and an out-of-range id faults on the device with the
 message (in a child process: the fault poisons its CUDA context).
@@ -45,12 +45,12 @@ def _table(shape, dtype, gen, dev):
 
 
 def _rank_rows(rank, world):
-    from torch_ce.runtime import native, rows_triton
+    from torch_ce.runtime import gather, rows_triton
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     gen = torch.Generator(device=dev).manual_seed(os.getpid())
-    res = dict(row_path=native.row_path(), kernel_path=native.kernel_path("cuda"), exact={}, lib={})
+    res = dict(row_path=gather.row_path(), kernel_path=gather.kernel_path("cuda"), exact={}, lib={})
     keep = []
     for rows, tail, dtype in SPECS:
         for pos in (0, 1):
@@ -63,7 +63,7 @@ def _rank_rows(rank, world):
                 ids = torch.randint(0, 2 * rows, (3, 37), generator=gen, device=dev).to(idt)
                 ref = full[ids.long()]
                 got = rows_triton.gather_rows(table, slot.peer_ptrs, slot.shape, dtype, ids)
-                lib = native.gather_rows(mine, ids, 2)
+                lib = gather.gather_rows(mine, slot, ids)
                 key = f"{dtype}x{tail}/pos{pos}/{idt}"
                 res["exact"][key] = bool(torch.equal(got, ref))
                 res["lib"][key] = bool(torch.equal(lib, ref))

@@ -62,7 +62,7 @@ def _train(transport, build, batches, rank, *, delay=0.0, accum=1, hooks=False, 
         opt = torch.optim.AdamW(params, lr=lr)
     torch_ce.enable(transport=transport, reshard_after_forward=True, **cfg)
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         losses, code = [], []
         for i, micro in enumerate(batches):
             total = 0.0
@@ -173,7 +173,7 @@ def _rank_zoo(rank, world, seed, cache, name):
             torch_ce.enable(transport=transport)
             try:
                 torch._dynamo.reset()
-                evals.append(torch.compile(model)(tok[:, :-1]))
+                evals.append(torch.compile(model, fullgraph=True)(tok[:, :-1]))
             finally:
                 torch_ce.disable()
     e = torch_ce.explain()
@@ -375,7 +375,7 @@ def _rank_inference_first(rank, world, seed, cache):
     torch_ce.enable(transport="copy_engine")
     try:
         with torch.no_grad():  # an inference graph binds the weights in place
-            torch.compile(model)(x)
+            torch.compile(model, fullgraph=True)(x)
     finally:
         torch_ce.disable()
     try:

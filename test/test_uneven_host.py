@@ -94,7 +94,7 @@ def _run(model, inputs, transport, **cfg):
     else:
         torch_ce.enable(transport=transport, **{"cast_slots": True, **cfg})
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with torch.no_grad():
             first, code = run_and_get_code(compiled, inputs[0])
             outs = [first] + [compiled(x) for x in inputs[1:]]
@@ -225,7 +225,7 @@ def _rank_cast(rank, world, seed, cache):
     torch_ce.enable(transport="copy_engine", cast_slots=True)
     err = ""
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with torch.no_grad():
             compiled(inputs[0])
             model.a.parametrizations.weight.original._local_tensor.mul_(2.0)
@@ -306,7 +306,7 @@ def _train(transport, seed, param_dtype, batches, reshard):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch_ce.enable(transport=transport, reshard_after_forward=reshard)
     try:
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         losses, code = [], []
         for i, x in enumerate(batches):
             def step():

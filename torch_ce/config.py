@@ -9,12 +9,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 from typing import Any, Iterator
 
 # Fields that change what a bind or a calibration does at run time, never the compiled
 # graph: left out of the compile-cache key.
-RUN_TIME_ONLY = ("cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "cuda_torch_fallback")
+RUN_TIME_ONLY = ("cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "cuda_torch_fallback",
+                 "shm_prefix")
 TRANSPORTS = ("nccl", "copy_engine")
+_SHM_PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 COST_MODES = ("calibrated", "default")
 
 
@@ -49,6 +52,10 @@ class Config:
     cost_mode: str = "calibrated"
     # Where the calibrated cost curves are cached ("" = ~/.cache/torch_ce).
     cost_cache_dir: str = ""
+    # The host transport's /dev/shm segments are named <shm_prefix><job>_...: the lowest
+    # rank's prefix names every rank's segments (runtime/host.py), so jobs (or test
+    # processes) that share /dev/shm can tell theirs apart.
+    shm_prefix: str = "torch_ce_"
     # The bind's exchanges (NOTE [bind rounds go through the store] in runtime/agreement.py):
     # how long a rank waits for its peers at each step of a bind, and, at the first step,
     # for peers that may still be compiling. A failure on a peer is seen at once.
@@ -92,6 +99,9 @@ class Config:
         if self.reshard_after_forward not in (None, True, False):
             raise ValueError("torch_ce: reshard_after_forward must be True, False or None (auto), "
                              f"got {self.reshard_after_forward!r}")
+        if not _SHM_PREFIX.fullmatch(self.shm_prefix):
+            raise ValueError("torch_ce: shm_prefix must be 1-64 letters, digits, '_', '.' or '-' "
+                             f"(a file name in /dev/shm), got {self.shm_prefix!r}")
         if self.window_cap_mib <= 0:
             raise ValueError(f"torch_ce: window_cap_mib must be > 0, got {self.window_cap_mib!r}")
         if self.comm_overlap_window_scale <= 0:

@@ -9,8 +9,9 @@ collective backend, and the mesh dim it is gathered over (HSDP: the shard dim; n
 the DTensor's mesh when the graph's cache key is formed, report.mesh_dims); for a weight embedding
 lookups read, its row gather and the bytes it reads per forward, or why it is gathered in
 full. Per (group, dtype) pool: its windows and how full they are. The gather
-kernel in use per device type. Graphs served from the FX graph cache ran no pass in this
-process, so they have no record here; their binds still show.
+kernel in use per device type, and (in the table's header) the torch it runs on. Graphs
+served from the FX graph cache ran no pass in this process, so they have no record here;
+their binds still show.
 
 (This module is not called ``explain``: ``import torch_ce.explain`` would rebind the
 package attribute ``torch_ce.explain``, the function, to the module.)
@@ -127,6 +128,7 @@ class Explanation:
     windows: list[WindowInfo]
     weights: list[WeightRow]
     kernel_paths: dict  # device type -> gather kernel path in use (when the runtime says)
+    torch: str = ""  # the torch it runs on (torch.__version__: "2.13.0+cpu", "2.11.0+cu130")
 
     def coverage(self) -> CoverageReport:
         """The share of gathered bytes on the copy engines, per graph and in total, and
@@ -150,10 +152,11 @@ class Explanation:
             windows=[dict(dataclasses.asdict(w), fill=w.fill) for w in self.windows],
             weights=[dataclasses.asdict(w) for w in self.weights],
             kernel_paths=dict(self.kernel_paths),
+            torch=self.torch,
         )
 
     def table(self) -> str:
-        out = [f"torch_ce explain (transport={self.config['transport']})"]
+        out = [f"torch_ce explain (transport={self.config['transport']}, torch {self.torch})"]
         for dev, path in self.kernel_paths.items():
             out.append(f"gather kernel ({dev}): {path}")
         if not self.graphs:
@@ -255,15 +258,12 @@ def _weights(graphs, binds) -> list[WeightRow]:
 
 
 def _kernel_paths(device_types) -> dict:
-    from .runtime import native
+    from .runtime.gather import kernel_path
 
-    fn = getattr(native, "kernel_path", None)  # present once the runtime reports it
-    if fn is None:
-        return {}
     out = {}
     for dev in sorted(device_types):
         try:
-            out[dev] = fn(dev)
+            out[dev] = kernel_path(dev)
         except Exception as e:  # noqa: BLE001 (a report must not raise)
             out[dev] = f"unknown ({e})"
     return out
@@ -276,14 +276,14 @@ def explain(print_table: bool = False) -> Explanation:
     for key, pool in W.pools().items():
         for w in pool.windows:
             wins.append(WindowInfo(key[0], key[1], key[2], w.index, w.nbytes, w.used, slots_per[id(w)]))
+    import torch
+
     graphs, binds = list(report.graphs), list(report.binds)
     devices = {w.device for w in wins}
     if not devices:  # nothing bound yet: the kernels a bind would use here
-        import torch
-
         devices = {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
     e = Explanation(dataclasses.asdict(config), graphs, binds, wins, _weights(graphs, binds),
-                    _kernel_paths(devices))
+                    _kernel_paths(devices), torch.__version__)
     if print_table:
         print(e.table())
     return e

@@ -203,9 +203,10 @@ def gatherer(b: Bench, dev):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "test"))
     from cuda_helpers import register_loopback
     from torch_ce.runtime import native
+    from torch_ce.runtime.gather import kernel_path
 
     if not native.load():
-        raise SystemExit(f"copy_stall: {native.kernel_path('cuda')}")
+        raise SystemExit(f"copy_stall: {kernel_path('cuda')}")
     g = dist.group.WORLD
     shards = [s.view(2, -1)[0].clone() for s in b.src]
     for s in shards:
@@ -368,7 +369,9 @@ def main(argv=None) -> int:
     rows["gather"] = measure(b, issue, a.reps)
     with native.split_local_copy_as(False):
         rows["gather_inbatch"] = measure(b, issue, a.reps)
-    rows["gather"]["kernel"] = native.kernel_path("cuda")
+    from torch_ce.runtime.gather import kernel_path
+
+    rows["gather"]["kernel"] = kernel_path("cuda")
     write(a, dev, rows)
     print(f"copy_stall: {a.mib} MiB x {len(COPIES_AT)} copies beside a {STEPS}-step FFN chain "
           f"(memcpy_once: one copy of all those bytes)")

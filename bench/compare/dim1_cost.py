@@ -80,10 +80,10 @@ def main():
 
     import torch_ce  # noqa: F401  (the magi ops)
     from torch_ce.runtime import native
-    from torch_ce.runtime.gather import dim_strategy_as
+    from torch_ce.runtime.gather import dim_strategy_as, kernel_path
 
     if not native.load():
-        raise SystemExit(f"dim1_cost: {native.kernel_path('cuda')}")
+        raise SystemExit(f"dim1_cost: {kernel_path('cuda')}")
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     g = dist.group.WORLD.group_name

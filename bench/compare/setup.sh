@@ -11,5 +11,5 @@ if [ ! -f /tmp/new_installed ]; then
   touch /tmp/new_installed
 fi
 wait
-python3 -c "import torch, torch_ce.runtime.native as N; print('torch', torch.__version__, 'this tree:', N.kernel_path('cuda'))"
+python3 -c "import torch, torch_ce.runtime.gather as G; print('torch', torch.__version__, 'this tree:', G.kernel_path('cuda'))"
 (cd .base && PYTHONPATH=$PWD:$PYTHONPATH python3 -c "import torch_ce, torch_ce.native as N; print('.base from', torch_ce.__file__, 'C++ kernels', N.load())")

@@ -52,12 +52,13 @@ def main():
     dist.init_process_group("gloo", rank=0, world_size=1)
     import torch_ce
     from torch_ce.runtime import native
+    from torch_ce.runtime.gather import kernel_path
 
     from cuda_helpers import register_loopback
     from test_uneven_cuda import padded_loopback
 
     if not native.load():
-        raise SystemExit(f"uneven_cost: the C++ kernels are not loaded ({native.kernel_path('cuda')})")
+        raise SystemExit(f"uneven_cost: the C++ kernels are not loaded ({kernel_path('cuda')})")
     torch_ce.config.update(cost_mode="default")
     g = dist.group.WORLD
     name = g.group_name

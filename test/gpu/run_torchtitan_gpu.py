@@ -125,8 +125,9 @@ def main() -> int:
             return _finish(C, world, t0)
         from torch.distributed.tensor import DTensor, Shard
         from torch_ce.runtime import native
+        from torch_ce.runtime.gather import kernel_path
 
-        if not C.check("C++ gather kernels loaded", native.load(), native.kernel_path("cuda")):
+        if not C.check("C++ gather kernels loaded", native.load(), kernel_path("cuda")):
             return _finish(C, world, t0)
 
         torch.manual_seed(1234)  # same weights on every rank

@@ -220,9 +220,10 @@ def env_info(world_size: int | None = None) -> dict:
     try:
         import torch_ce
         from torch_ce.runtime import native
+        from torch_ce.runtime.gather import kernel_path
 
         info["torch_ce"] = torch_ce.__version__
-        info["ce_gather_kernel"] = native.kernel_path("cuda" if is_cuda() else "cpu")
+        info["ce_gather_kernel"] = kernel_path("cuda" if is_cuda() else "cpu")
         info["peer_order"] = list(native.peer_order())  # (order, chunk bytes), NOTE [peer order]
     except Exception as e:
         info["torch_ce_error"] = repr(e)

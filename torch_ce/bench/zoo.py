@@ -49,7 +49,8 @@ _TRAINING_ONLY = (
 
 
 class _Stub(types.ModuleType):
-    """A training-only module the bench does not load: any name is a callable that raises."""
+    """A training-only module the bench cannot load here: any name is a class whose
+    construction raises (a class, so annotations such as ``X | None`` still evaluate)."""
 
     def __getattr__(self, name):
         if name.startswith("__"):
@@ -59,13 +60,23 @@ class _Stub(types.ModuleType):
         def training_only(*a, **k):
             raise RuntimeError(f"{mod}.{name} is training-only; torch_ce's bench stubbed it")
 
-        return training_only
+        cls = type(name, (), {"__init__": training_only, "__module__": mod})
+        setattr(self, name, cls)
+        return cls
 
 
 def load(family: str):
-    """The zoo's ``torchtitan.models.<family>`` package, its training imports stubbed."""
-    for name in _TRAINING_ONLY:
-        sys.modules.setdefault(name, _Stub(name))
+    """The zoo's ``torchtitan.models.<family>`` package. Each training-only module is the real
+    one where it imports here; only one that cannot (Triton absent, a torch too old for it)
+    is stubbed, so a trainer imported later in the same process (graph_trainer's) still
+    gets the real optimizers and parallelisms."""
+    for name in _TRAINING_ONLY:  # leaves first: a stubbed leaf lets the next one import
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            sys.modules[name] = _Stub(name)
     return importlib.import_module(f"torchtitan.models.{family}")
 
 

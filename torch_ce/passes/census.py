@@ -38,6 +38,11 @@ from . import fx_utils as U
 
 c10d = torch.ops._c10d_functional
 
+try:  # registers torch.ops.bucketing.* (the bucketed forms below); absent ops stay absent
+    import torch._inductor.fx_passes.bucketing  # noqa: F401
+except ImportError:
+    pass
+
 BUCKETED = Refusal(
     Reason.BUCKETED,
     "gathered by a bucketed collective of several weights (bucketed before torch_ce's pass; "

@@ -36,6 +36,33 @@ def wait_of(gather: fx.Node) -> fx.Node | None:
     return waits[0] if len(waits) == 1 and len(gather.users) == 1 else None
 
 
+# NOTE [one gather, several waits]
+# torchtitan's ``Embedding.forward`` reads its parametrized weight twice (NOTE [unread
+# gathers] in gate.py). Torch 2.11-2.13 keep two gathers; torch 2.14+ CSE merges them into
+# one gather with two ``wait_tensor`` users, the first never read. Every wait of a gather
+# is the same value, so they are merged into the first one in program order (it comes
+# before every reader of the others): one gather, one wait, as the passes expect. A graph
+# fact, the same on every rank.
+
+
+def merge_waits(graph: fx.Graph) -> int:
+    """Merge the wait_tensors of each all_gather_into_tensor whose users are all waits
+    (NOTE [one gather, several waits]); returns how many waits went."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    gone = 0
+    for g in find_op_nodes(graph, ALL_GATHER):
+        waits = [u for u in g.users if is_wait(u)]
+        if len(waits) < 2 or len(waits) != len(g.users):
+            continue
+        keep = min(waits, key=pos.__getitem__)
+        for w in waits:
+            if w is not keep:
+                w.replace_all_uses_with(keep)
+                graph.erase_node(w)
+                gone += 1
+    return gone
+
+
 def nbytes(val) -> int | None:
     """Static byte size of a FakeTensor meta value (None when dynamic)."""
     try:

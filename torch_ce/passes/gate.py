@@ -279,9 +279,19 @@ def _input_reason(x: fx.Node, ph_index: dict[fx.Node, int]) -> Refusal:
                    "gather input is a view or copy of a graph input, not the shard itself")
 
 
+# NOTE [uneven pads are not a rank's fact]
+# Before an uneven Shard(0) gather DTensor pads the shards to ``ceil(rows / W)`` rows. Torch
+# 2.11-2.14 pad only the short ranks' shards (the others' graphs have no pad node); torch
+# 2.15 pads every rank, the long ranks by zero rows (``constant_pad_nd(w, [0, 0, 0, 0])``).
+# So neither the pad node nor its amount is the same on every rank: a pad of zero or more
+# rows appended to dim 0 is accepted alike, and the verdict is ``uneven_rows``' (the
+# gathered shape and the slices after the wait), never "did this rank pad".
+
+
 def _end_pad(x) -> fx.Node | None:
-    """``x`` if it is a zero ``constant_pad_nd`` that appends rows to dim 0 only (what
-    DTensor does to a short uneven Shard(0) shard before the gather), used only here."""
+    """``x`` if it is a zero ``constant_pad_nd`` that appends rows (none or more) to dim 0
+    only: what DTensor does to an uneven Shard(0) shard before the gather (NOTE [uneven
+    pads are not a rank's fact]), used only here."""
     if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target in _PAD_OPS
             and len(x.users) == 1 and isinstance(x.args[0], fx.Node)):
         return None
@@ -290,7 +300,7 @@ def _end_pad(x) -> fx.Node | None:
     val = x.args[0].meta.get("val")
     if val is None or len(pad) != 2 * val.dim() or value != 0:
         return None
-    if any(pad[:-1]) or pad[-1] <= 0:
+    if any(pad[:-1]) or pad[-1] < 0:
         return None
     return x
 

@@ -9,9 +9,13 @@ every module in ``MODULES``), ``config.cache_key()`` and ``rank_view()``.
 
 # NOTE [a cache shared by ranks]
 One Inductor cache dir is shared by every rank of a host by default. The cache that serves
-compiled code across ranks is AOTAutograd's (torch 2.11 and 2.13): it keys on the Dynamo
-graph, the inputs (a DTensor by its *global* spec: mesh, placements, global shape) and
-Inductor's config, where our ``uuid()`` and pickled reorder sit. Two things that change
+compiled code across ranks is AOTAutograd's (torch 2.13): it keys on the Dynamo graph,
+the inputs (a DTensor by its *global* spec: mesh, placements, global shape) and
+Inductor's config, where our ``uuid()`` and pickled reorder sit. (Torch 2.11's AOTAutograd
+cache takes no DTensor graph: its Dynamo records ``redistribute`` as a call of a local
+closure, ``prim_redistribute``, which that cache refuses, "Unsupported call_function
+target". There the FX graph cache serves the warm run, keyed on the AOT output graph: no
+rank gets another's code, and this identity changes nothing.) Two things that change
 the compiled code per rank are in none of these: the process-group names the gathers name
 (on a 2-D mesh, each host's shard group has another name) and the local shard shapes
 (uneven Shard(0)). A warm cache then served one rank another's code ("Could not resolve
@@ -92,10 +96,7 @@ def identity(config) -> str:
 def rank_view() -> str:
     """The per-rank facts of the graph being compiled (NOTE [a cache shared by ranks]):
     "" when it has no DTensor input (its key already says everything), else a digest."""
-    import torch
-
-    tc = torch._guards.TracingContext.try_get()
-    inputs = list(getattr(tc, "tensor_to_context", {}).keys()) if tc is not None else []
+    inputs = _traced_inputs()
     if not inputs:
         return _process_view()
     from torch.distributed.tensor import DTensor
@@ -105,6 +106,24 @@ def rank_view() -> str:
         if isinstance(t, DTensor):
             facts.add(dtensor_facts(t))
     return hashlib.sha256(repr(sorted(facts)).encode()).hexdigest() if facts else ""
+
+
+def _traced_inputs() -> list:
+    import torch
+
+    tc = torch._guards.TracingContext.try_get()
+    return list(getattr(tc, "tensor_to_context", {}).keys()) if tc is not None else []
+
+
+def note_mesh_dims() -> None:
+    """Note the mesh dim of each DTensor input of the graph being compiled for
+    ``explain()`` (what ``dtensor_facts`` notes). The pass asks it itself: torch 2.15 asks
+    a pass's ``uuid()`` only when a graph cache is on."""
+    from torch.distributed.tensor import DTensor
+
+    for t in _traced_inputs():
+        if isinstance(t, DTensor):
+            dtensor_facts(t)
 
 
 def dtensor_facts(t) -> tuple:

@@ -53,6 +53,10 @@ _OFF = [
     ("reorder_for_locality", False),
     ("bucket_all_gathers_fx", "none"),
     ("aten_distributed_optimizations.enable_overlap_scheduling", False),
+    # Torch 2.14+ (on by default): moves every collective up and every wait down by
+    # adjacent swaps after our reorder ran, undoing its placement, the bind step's lead
+    # (NOTE [the bind step leads] in reorder.py) and gloo's one collective in flight.
+    ("aten_distributed_optimizations.enable_simple_overlap", False),
     ("aten_distributed_optimizations.enable_low_contention_collectives", False),
 ]
 

@@ -33,7 +33,7 @@ from ..config import config
 from . import bucket as bucket_mod, census, fx_utils as U
 from . import gate as gate_mod, param_names, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
 from . import rows as rows_mod
-from .identity import identity
+from .identity import identity, note_mesh_dims
 
 log = logging.getLogger("torch_ce")
 
@@ -77,6 +77,7 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None, *,
     program-adjacent bucketing (``bucket.bucket``)."""
     if config.transport != "copy_engine":
         return None
+    U.merge_waits(graph)  # NOTE [one gather, several waits] in fx_utils.py
     if is_inference and census.is_joint_graph(graph):  # NOTE [a joint graph is never an inference graph]
         log.info("torch_ce: a joint forward+backward graph compiled as inference: treated as training")
         is_inference = False
@@ -205,6 +206,7 @@ class TorchCEPass(_PassBase):
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
         if _decided_before_inductor.get():
             return  # decided (and recorded) on the FX graph already: decided_before_inductor
+        note_mesh_dims()
         run_passes(graph, is_inference)
         for fn in list(_observers):
             fn(graph)

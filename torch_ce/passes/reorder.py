@@ -144,6 +144,30 @@ def _sink_waits(base: list[Unit]) -> list[Unit]:
     return rest
 
 
+# NOTE [the bind step leads]
+# The bind step's first run exchanges with every peer (agreement over the store; on CUDA a
+# symmetric-memory rendezvous), so it must come before every launch of the graph, on every
+# rank: a rank inside a collective while its peer waits in the bind is a hang. The rewrite
+# puts it right after the placeholders, but Inductor's scheduler may move a launch with no
+# producer (a gather of a graph input) above it: torch 2.15's does. Moving the bind step up
+# is always legal (it reads only graph inputs), so the reorder places it first whatever
+# order Inductor chose, also where it otherwise keeps Inductor's order (gloo).
+
+
+def _bind_step_first(units: list[Unit]) -> list[Unit]:
+    """``units`` with the bind step moved to just before the first launch (NOTE [the bind
+    step leads]); unchanged when it is there already or the move would not be legal."""
+    bind = next((i for i, u in enumerate(units) if _is_bind_step(u)), None)
+    first = next((i for i, u in enumerate(units) if u.kind == "launch"), None)
+    if bind is None or first is None or bind < first:
+        return units
+    order = units[:first] + [units[bind]] + units[first:bind] + units[bind + 1:]
+    if not _topological(order):
+        log.warning("torch_ce reorder: the bind step reads a value computed after a launch; order kept")
+        return units
+    return order
+
+
 @dataclasses.dataclass
 class Placement:
     name: str
@@ -175,10 +199,11 @@ def latest_safe_launch(
         return snodes
     if any(_on_gloo(s) for u in launches for s in u.snodes):
         # NOTE [gloo: one functional collective in flight] (ops.py): a second collective
-        # in flight on gloo can corrupt the heap, so such a graph keeps Inductor's order.
+        # in flight on gloo can corrupt the heap, so such a graph keeps Inductor's order,
+        # but for the bind step (NOTE [the bind step leads]).
         log.info("torch_ce reorder: collectives on gloo: Inductor's order kept (%d launches)", len(launches))
         _record([], valid=True, kept="collectives on gloo: Inductor's order kept")
-        return snodes
+        return [s for u in _bind_step_first(units) for s in u.snodes]
     base = _sink_waits([u for u in units if u.kind != "launch"])
     producer_pos = {}
     for i, u in enumerate(base):

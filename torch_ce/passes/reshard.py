@@ -70,6 +70,7 @@ def tag_recompute(graph: fx.Graph, cfg=None) -> int:
     from ..config import config
 
     cfg = cfg or config
+    U.merge_waits(graph)  # NOTE [one gather, several waits] in fx_utils.py
     ph_index = gate._placeholder_index(graph)
     mutated = gate.mutated_inputs(graph)
     n = 0

@@ -343,11 +343,11 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
         # 1. agree
         mine = [descriptor(c) for c in todo]
         everyone = rnd.exchange("agree", {"cands": [d.to_json() for d in mine],
-                                          "token": uuid.uuid4().hex[:8]})
+                                          "token": config.shm_prefix + uuid.uuid4().hex[:8]})
         theirs = {r: [Descriptor.from_json(d) for d in v["cands"]] for r, v in everyone.items()}
         verdicts = agree(todo, mine, theirs)
         refuse_split_staging(todo, theirs)
-        job = everyone[min(everyone)]["token"]
+        job = everyone[min(everyone)]["token"]  # the lowest rank's names every segment
         chosen = []
         for c, why in zip(todo, verdicts):
             if why is None:

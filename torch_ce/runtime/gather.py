@@ -1,5 +1,6 @@
 """The gather of bound slots: one function for the ops and the calibration; and the row
-gather of embedding lookups (``gather_rows``, NOTE [row gathers] in passes/rows.py).
+gather of embedding lookups (``gather_rows``, NOTE [row gathers] in passes/rows.py). Here
+the kernel that serves each is chosen (``kernel_path`` says which, for ``explain()``).
 
 On CUDA with the C++ kernels loaded it is their gather (NOTE [native gather path] in
 csrc/ce_torch.cpp). Everywhere else it is ``copy_peers``: per-peer ``copy_`` of each
@@ -8,16 +9,32 @@ is the host transport's memcpy (it completes before returning); on CUDA it is th
 (``config.cuda_torch_fallback``), ordered by the current stream alone, so its outputs
 carry no c10d work and ``wait_tensor`` on them returns at once (it waits only on work
 registered for the tensor).
+
+A CUDA row gather runs the CUDA row kernel when nvcc built it (csrc/ce_rows.cu, through
+``native.gather_rows``), else the Triton one (runtime/rows_triton.py), else ``take_rows``
+with one loud warning: ``row_path()``. The Triton kernel reads its owners' addresses from
+a device table made when the slot is registered (``windows.on_cuda_slot``), outside any
+capture.
+
+This module is entered from above only (ops.py, explain()): it imports ``native`` and
+``windows``, which never import it (test/test_layout.py).
 """
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
+import warnings
 from typing import Sequence
 
 import torch
 
-from . import native
+from . import native, rows_triton
+from . import windows as W
+from .eligibility import Reason
 from .windows import Slot
+
+log = logging.getLogger("torch_ce")
 
 
 def peer_order(rank: int, world: int, order: str = "rotated") -> list[int]:
@@ -79,7 +96,7 @@ def gather_slot_dim(shard: torch.Tensor, slot: Slot, group_size: int, dim: int) 
     the caller checked), in its final layout: the C++ strided reads on CUDA (NOTE [strided
     reads] in csrc/ce_copy.h), else ``copy_peers_dim``."""
     if shard.is_cuda and native.loaded():
-        return torch.ops.torch_ce_native.gather_bound_dim([shard], group_size, [dim])[0]
+        return native.gather_bound_dim([shard], group_size, [dim])[0]
     out = shard.new_empty(gather_dim_shape(shard.shape, group_size, dim))
     copy_peers_dim(out, slot, dim)
     return out
@@ -101,20 +118,103 @@ def dim_strategy_as(name: str):
     if not native.loaded():
         yield
         return
-    prev = int(torch.ops.torch_ce_native.dim_strategy())
-    torch.ops.torch_ce_native.set_dim_strategy(DIM_STRATEGIES[name])
+    prev = native.dim_strategy()
+    native.set_dim_strategy(DIM_STRATEGIES[name])
     try:
         yield
     finally:
-        torch.ops.torch_ce_native.set_dim_strategy(prev)
+        native.set_dim_strategy(prev)
+
+
+_rows: list = []  # [path, why] once decided
+
+
+def row_path() -> tuple[str | None, str]:
+    """(kernel, why) of CUDA row gathers: "cuda" (csrc/ce_rows.cu, built by nvcc),
+    "triton" (runtime/rows_triton.py), or None (``take_rows``) with the reason."""
+    if not _rows:
+        if not native.loaded():
+            _rows[:] = [None, "the C++ kernels are not loaded"]
+        elif native.build_info()[2] == "cuda":
+            _rows[:] = ["cuda", ""]
+        else:
+            why = rows_triton.unavailable()
+            _rows[:] = [None, why] if why else ["triton", ""]
+    return _rows[0], _rows[1]
+
+
+_row_tables: dict = {}  # this rank's key -> (device table of owners' addresses, slot)
+
+
+def _mirror_row_table(key: int, slot: Slot | None) -> None:
+    """``windows.on_cuda_slot``: when the Triton kernel serves the row gather, a published
+    CUDA slot's owners' address table, keyed by this rank's address (as the C++ index)."""
+    if slot is not None and row_path()[0] == "triton":
+        _row_tables[int(slot.peer_ptrs[slot.window.rank])] = (
+            rows_triton.table(slot.peer_ptrs, slot.window.device), slot)
+    else:
+        _row_tables.pop(int(key), None)
+
+
+W.on_cuda_slot(_mirror_row_table)
+W.on_release(_row_tables.clear)
+
+_warned_rows: list = []
+_warn_lock = threading.Lock()
 
 
 def gather_rows(shard: torch.Tensor, slot: Slot, ids: torch.Tensor) -> torch.Tensor:
     """``embedding(gathered table, ids)`` of a bound ``shard`` (its ``slot``, whose group
-    the caller checked): the C++ row kernel on CUDA, else ``take_rows``."""
-    if shard.is_cuda and native.loaded():
+    the caller checked): on CUDA with the C++ kernels loaded, the row kernel ``row_path()``
+    names (NOTE [row kernel] in csrc/ce_rows.cu); else, or without one, ``take_rows``."""
+    if not (shard.is_cuda and native.loaded()):
+        return take_rows(slot, ids)
+    path, why = row_path()
+    if path == "cuda":
         return native.gather_rows(shard, ids, slot.group_size)
+    entry = _row_tables.get(shard.data_ptr())
+    if path == "triton" and entry is not None:
+        peers, mirrored = entry
+        if mirrored.group_size != slot.group_size or mirrored.dtype != shard.dtype \
+                or tuple(mirrored.shape) != tuple(shard.shape):
+            raise RuntimeError("torch_ce: gather_rows: the shard does not match its slot "
+                               "(dtype, shape or group size)")
+        return rows_triton.gather_rows(peers, mirrored.peer_ptrs, mirrored.shape, mirrored.dtype, ids)
+    with _warn_lock:
+        first = not _warned_rows
+        if first:
+            _warned_rows.append(True)
+    if first:
+        msg = (f"torch_ce: no row-gather kernel ({why}): CUDA embedding lookups of "
+               "bound tables use pure-torch indexing (syncs with the host per peer). With "
+               f"nvcc the CUDA kernel is built: {native.build_command()}")
+        log.warning("%s", msg)
+        warnings.warn(msg, stacklevel=2)
     return take_rows(slot, ids)
+
+
+def kernel_path(device_type: str) -> str:
+    """Which gather serves bound ``device_type`` shards, in words (for ``explain()``): the
+    library and how it was built, the row gather's kernel; when CUDA kernels are missing,
+    the one command that builds them."""
+    if device_type not in ("cuda", "cpu"):
+        return f"none: gathers stay on the collective (unsupported device {device_type})"
+    refused = native.kernel_refusal(device_type, warn=False)
+    if refused is not None:
+        fix = f". To build the kernels: {native.build_command()}" \
+            if refused.code == Reason.NO_GATHER_KERNEL and device_type == "cuda" else ""
+        return f"none: gathers stay on the collective ({refused.text}){fix}"
+    if device_type == "cpu":
+        return "host transport (shared-memory memcpy)"
+    if native.loaded():
+        tool, headers, _ = native.build_info()
+        rows, why = row_path()
+        rows_text = {"cuda": "CUDA kernel (csrc/ce_rows.cu)",
+                     "triton": "Triton kernel (runtime/rows_triton.py)"}.get(
+            rows, f"pure-torch take_rows ({why}; slow: syncs per peer)")
+        return (f"C++ kernels (csrc/ce_torch.cpp, built by {tool} against CUDA {headers} "
+                f"headers); row gather: {rows_text}")
+    return f"pure-torch fallback (opted in, slow). To build the kernels: {native.build_command()}"
 
 
 def take_rows(slot: Slot, ids: torch.Tensor) -> torch.Tensor:

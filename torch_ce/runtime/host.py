@@ -4,10 +4,11 @@ On machines without GPUs this runs the same one-sided protocol as the copy-engin
 transport (same pools, offsets, registry and bind step) on CPU tensors, so CI exercises
 the whole pipeline with several gloo processes. It is a real transport, not a mock.
 
-Each rank creates ``/dev/shm/torch_ce_<job>_<group>_<dtype>_<n>_r<rank>``; after one
-exchange every rank maps its peers' segments, and after a second the names are
-unlinked: the mappings live on, and nothing of ours is left in /dev/shm even if the job
-dies later.
+Each rank creates ``/dev/shm/<job>_<group>_<dtype>_<n>_r<rank>``, where ``job`` is the
+lowest rank's ``config.shm_prefix`` (``torch_ce_`` by default) and a random token of the
+bind (runtime/binding.py); after one exchange every rank maps its peers' segments, and
+after a second the names are unlinked: the mappings live on, and nothing of ours is left
+in /dev/shm even if the job dies later.
 """
 from __future__ import annotations
 
@@ -18,12 +19,11 @@ import torch
 from .windows import Slot, Window
 
 SHM_DIR = "/dev/shm"
-SHM_PREFIX = "torch_ce_"
 
 
 def segment_name(job: str, group_ranks: tuple, dtype: str, n: int, rank: int) -> str:
     grp = "-".join(map(str, group_ranks)) if len(group_ranks) <= 8 else f"{hash(group_ranks) & 0xFFFFFFFF:x}"
-    return f"{SHM_PREFIX}{job}_{grp}_{dtype}_{n}_r{rank}"
+    return f"{job}_{grp}_{dtype}_{n}_r{rank}"
 
 
 def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:

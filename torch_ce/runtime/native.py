@@ -5,9 +5,11 @@ torch at install; nvcc or the host compiler, NOTE [building without nvcc] in
 runtime/toolchain.py) and ``TORCH_CE_NATIVE`` is not 0. Loaded, they are the one CUDA
 gather: ``magi::ce_all_gather[_coalesced]`` on CUDA, and the bound members of whatever
 bucket they hand to the Python kernel (``gather_bound``). Their slot index mirrors the
-registry of ``windows.py``, whose ``register``/``release_all`` alone write it. The row
-gather runs the CUDA row kernel when nvcc built it (csrc/ce_rows.cu), else the Triton one
-(runtime/rows_triton.py): ``row_path()``.
+registry of ``windows.py``, whose ``register``/``release_all`` alone write it. This module
+wraps the library and nothing else: which kernel serves a gather (the row gather's CUDA,
+Triton or pure-torch path, ``gather.row_path``) is chosen in runtime/gather.py, and it
+imports no other run-time module but ``toolchain`` and ``eligibility``
+(test/test_layout.py).
 
 # NOTE [experiment knobs]
 The variables below are not configuration: they exist for A/B runs. They are read here
@@ -188,13 +190,14 @@ def _missing(device_type: str) -> str | None:
     return None
 
 
-def kernel_refusal(device_type: str) -> Refusal | None:
+def kernel_refusal(device_type: str, warn: bool = True) -> Refusal | None:
     """Why a ``device_type`` shard must stay on the collective for want of a gather kernel
     (None: a kernel serves it). Without the C++ kernels a CUDA gather would be per-peer
     ``copy_`` calls (slower than NCCL), so they are refused unless
-    ``config.cuda_torch_fallback`` opts in; the first such refusal warns, loudly, once."""
+    ``config.cuda_torch_fallback`` opts in; the first such refusal warns, loudly, once
+    (``warn=False``: never, for a caller that only describes, as ``gather.kernel_path``)."""
     why = _refusal(device_type)
-    if why is not None and why.code == Reason.NO_GATHER_KERNEL:
+    if warn and why is not None and why.code == Reason.NO_GATHER_KERNEL:
         _warn_once(device_type, _missing(device_type))
     return why
 
@@ -226,30 +229,6 @@ def _warn_once(device_type: str, why: str) -> None:
     warnings.warn(msg, stacklevel=3)
 
 
-def kernel_path(device_type: str) -> str:
-    """Which gather serves bound ``device_type`` shards, in words (for ``explain()``): the
-    library and how it was built, the row gather's kernel; when CUDA kernels are missing,
-    the one command that builds them."""
-    if device_type not in ("cuda", "cpu"):
-        return f"none: gathers stay on the collective (unsupported device {device_type})"
-    refused = _refusal(device_type)
-    if refused is not None:
-        fix = f". To build the kernels: {build_command()}" if refused.code == Reason.NO_GATHER_KERNEL \
-            and device_type == "cuda" else ""
-        return f"none: gathers stay on the collective ({refused.text}){fix}"
-    if device_type == "cpu":
-        return "host transport (shared-memory memcpy)"
-    if loaded():
-        tool, headers, _ = build_info()
-        rows, why = row_path()
-        rows_text = {"cuda": "CUDA kernel (csrc/ce_rows.cu)",
-                     "triton": "Triton kernel (runtime/rows_triton.py)"}.get(
-            rows, f"pure-torch take_rows ({why}; slow: syncs per peer)")
-        return (f"C++ kernels (csrc/ce_torch.cpp, built by {tool} against CUDA {headers} "
-                f"headers); row gather: {rows_text}")
-    return f"pure-torch fallback (opted in, slow). To build the kernels: {build_command()}"
-
-
 def build_info() -> tuple[str, str, str]:
     """(compiler, CUDA header version "13.0", row kernel "cuda" | "none") of the loaded
     library."""
@@ -261,54 +240,23 @@ def build_info() -> tuple[str, str, str]:
     return tool, f"{v // 1000}.{v % 1000 // 10}", rows
 
 
-_rows: list = []  # [path, why] once decided
-
-
-def row_path() -> tuple[str | None, str]:
-    """(kernel, why) of CUDA row gathers: "cuda" (csrc/ce_rows.cu, built by nvcc),
-    "triton" (runtime/rows_triton.py), or None (gather.take_rows) with the reason."""
-    if not _rows:
-        if not loaded():
-            _rows[:] = [None, "the C++ kernels are not loaded"]
-        elif build_info()[2] == "cuda":
-            _rows[:] = ["cuda", ""]
-        else:
-            from . import rows_triton
-
-            why = rows_triton.unavailable()
-            _rows[:] = [None, why] if why else ["triton", ""]
-    return _rows[0], _rows[1]
-
-
-_row_tables: dict = {}  # this rank's key -> (device table of owners' addresses, slot)
-
-
 def register_slot(slot) -> None:
-    """Mirror a published CUDA slot into the C++ index (keyed by this rank's address), and,
-    when the Triton kernel serves the row gather, its owners' address table. Called by
-    ``windows.register`` only."""
+    """Mirror a published CUDA slot into the C++ index, keyed by this rank's address.
+    Called by ``windows.register`` only."""
     w = slot.window
     key = int(slot.peer_ptrs[w.rank])
     torch.ops.torch_ce_native.register_slot(
         key, [int(p) for p in slot.peer_ptrs], w.rank, slot.nbytes,
         slot.dtype, list(slot.shape), w.group.group_name)
-    if row_path()[0] == "triton":
-        from . import rows_triton
-
-        _row_tables[key] = (rows_triton.table(slot.peer_ptrs, w.device), slot)
-    else:
-        _row_tables.pop(key, None)
 
 
 def unregister(key: int) -> None:
     """Drop the C++ index's entry at ``key`` (``windows.register`` replaced it)."""
-    _row_tables.pop(int(key), None)
     if loaded():
         torch.ops.torch_ce_native.unregister_slot(int(key))
 
 
 def clear() -> None:
-    _row_tables.clear()
     if loaded():
         torch.ops.torch_ce_native.clear_slots()
 
@@ -323,32 +271,27 @@ def gather_bound(shards: list[torch.Tensor], group_size: int) -> list[torch.Tens
 
 
 def gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The row gather of a bound CUDA shard (NOTE [row kernel] in csrc/ce_rows.cu), by the
-    kernel ``row_path()`` names; without one, ``gather.take_rows``."""
-    path = row_path()[0]
-    if path == "cuda":
-        return torch.ops.torch_ce_native.gather_rows(shard, ids, group_size)
-    entry = _row_tables.get(shard.data_ptr())
-    if path == "triton" and entry is not None:
-        from . import rows_triton
+    """The CUDA row kernel's gather of a bound CUDA shard (NOTE [row kernel] in
+    csrc/ce_rows.cu; a library built without nvcc raises: ``gather.gather_rows`` chooses)."""
+    return torch.ops.torch_ce_native.gather_rows(shard, ids, group_size)
 
-        peers, slot = entry
-        if slot.group_size != group_size or slot.dtype != shard.dtype or tuple(slot.shape) != tuple(shard.shape):
-            raise RuntimeError("torch_ce: gather_rows: the shard does not match its slot "
-                               "(dtype, shape or group size)")
-        return rows_triton.gather_rows(peers, slot.peer_ptrs, slot.shape, slot.dtype, ids)
-    from . import gather, windows
 
-    with _warn_lock:
-        first = "cuda rows" not in _warned
-        _warned.add("cuda rows")
-    if first:
-        msg = (f"torch_ce: no row-gather kernel ({row_path()[1]}): CUDA embedding lookups of "
-               "bound tables use pure-torch indexing (syncs with the host per peer). With "
-               f"nvcc the CUDA kernel is built: {build_command()}")
-        log.warning("%s", msg)
-        warnings.warn(msg, stacklevel=2)
-    return gather.take_rows(windows.lookup(shard), ids)
+def gather_bound_dim(shards: list[torch.Tensor], group_size: int, dims: list[int]) -> list[torch.Tensor]:
+    """The C++ strided gather of bound CUDA Shard(d) shards, one gather dim per member
+    (NOTE [strided reads] in csrc/ce_copy.h; ``gather.gather_slot_dim`` chooses)."""
+    return torch.ops.torch_ce_native.gather_bound_dim(list(shards), group_size, [int(d) for d in dims])
+
+
+def dim_strategy() -> int:
+    """The C++ enum DimStrategy the Shard(d) gathers submit with now (loaded kernels only;
+    ``gather.DIM_STRATEGIES`` names the values)."""
+    return int(torch.ops.torch_ce_native.dim_strategy())
+
+
+def set_dim_strategy(strategy: int) -> None:
+    """Set it (the C++ side refuses an unknown value); ``gather.dim_strategy_as`` is the
+    scoped switch."""
+    torch.ops.torch_ce_native.set_dim_strategy(int(strategy))
 
 
 def set_split_local_copy(split: bool) -> None:

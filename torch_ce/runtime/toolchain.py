@@ -111,6 +111,55 @@ def gencode_flags(archs: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------
+# The C++ standard: the one torch's headers ask for
+# ---------------------------------------------------------------------------------------
+
+# NOTE [the C++ standard follows torch's headers]
+# torch's headers say which standard they need, in the guard at the top of ATen/ATen.h
+# (and torch/all.h): ``#error C++17 or later compatible compiler is required to use ATen.``
+# on 2.11 and 2.13, ``#error C++20 ...`` on 2.14 and 2.15, whose headers then use
+# std::strong_ordering and std::bit_width. csrc/ is compiled (nvcc, the host compiler, the
+# CPU-torch compile check) with the standard that line names, read from the very headers it
+# compiles against. The ``#error`` text, not the ``#if`` above it: 2.15 rewrote the
+# condition (``_MSVC_LANG`` first) and kept the message. Not the alternatives:
+#   - torch.__version__: a table to edit for every release, and a guess for a nightly or a
+#     source build, which has new headers before the release number says so;
+#   - torch.utils.cpp_extension's flags, or the "C++ Version" of torch.__config__.show():
+#     how torch builds its users' extensions and itself (C++20 already on 2.13), not the
+#     least its headers accept;
+#   - a trial compile: a compiler run per install, and any other error reads as "needs a
+#     newer standard".
+# The least standard the headers accept keeps the C++17 torches' kernels built as they
+# were tested (their headers take C++20 too: torch's own extension builds use it), and
+# lets an older compiler build them. No such line (a torch that moves it): C++20, the
+# newest any supported torch has asked for.
+CXX_GUARD_HEADERS = (os.path.join("ATen", "ATen.h"),
+                     os.path.join("torch", "csrc", "api", "include", "torch", "all.h"))
+DEFAULT_CXX_STANDARD = "c++20"
+_CXX_GUARD = re.compile(r"^\s*#\s*error\s+C\+\+\s*(\d+) or later compatible compiler is required", re.M)
+
+
+def torch_include_dir(torch) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "include")
+
+
+def cxx_standard(torch) -> tuple[str, str]:
+    """(``"c++17"`` or ``"c++20"``, where it was read) for building against ``torch``'s
+    headers (NOTE [the C++ standard follows torch's headers])."""
+    inc = torch_include_dir(torch)
+    found = []  # (standard, header)
+    for rel in CXX_GUARD_HEADERS:
+        path = os.path.join(inc, rel)
+        if os.path.isfile(path):
+            with open(path, errors="replace") as f:
+                found += [(int(m.group(1)), path) for m in _CXX_GUARD.finditer(f.read())]
+    if not found:
+        return DEFAULT_CXX_STANDARD, f"no C++ guard in {os.path.join(inc, CXX_GUARD_HEADERS[0])}"
+    std, path = max(found, key=lambda f: f[0])
+    return f"c++{std}", f"the #error guard in {path}"
+
+
+# ---------------------------------------------------------------------------------------
 # Compilers and CUDA headers
 # ---------------------------------------------------------------------------------------
 

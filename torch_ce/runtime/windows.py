@@ -257,9 +257,33 @@ def lookup(t: torch.Tensor) -> Slot | Fallback | None:
     return entry
 
 
+# Mirrors of the CUDA slots beyond the C++ index (the Triton row kernel's address tables,
+# runtime/gather.py): fn(key, slot) when a CUDA slot is registered at ``key``, fn(key, None)
+# when it leaves. Hooks, so that the module choosing the kernels is entered from above only.
+_slot_hooks: list[Callable[[int, Slot | None], None]] = []
+
+
+def on_cuda_slot(fn: Callable[[int, Slot | None], None]) -> None:
+    _slot_hooks.append(fn)
+
+
+def _mirror(key: int, slot: Slot | None) -> None:
+    """The C++ index and every ``on_cuda_slot`` hook learn that ``key`` holds ``slot`` now
+    (None: no CUDA slot)."""
+    from . import native
+
+    if slot is not None:
+        native.register_slot(slot)
+    else:
+        native.unregister(key)
+    for fn in _slot_hooks:
+        fn(key, slot)
+
+
 def register(t: torch.Tensor, entry: Slot | Fallback) -> None:
-    """Record ``t``'s slot (or Fallback). The one writer of both indexes: a CUDA slot is
-    mirrored into the C++ kernels' index, and an entry that replaces one leaves it."""
+    """Record ``t``'s slot (or Fallback). The one writer of the indexes: a CUDA slot is
+    mirrored into the C++ kernels' index (and the ``on_cuda_slot`` hooks), and an entry that
+    replaces one leaves them."""
     from . import native
 
     key = t.data_ptr()
@@ -270,17 +294,15 @@ def register(t: torch.Tensor, entry: Slot | Fallback) -> None:
         _registry[key] = entry
         if native.loaded():
             if isinstance(entry, Slot) and entry.window.device.type == "cuda":
-                native.register_slot(entry)
+                _mirror(key, entry)
             elif isinstance(old, Slot) and old.window.device.type == "cuda":
-                native.unregister(key)
+                _mirror(key, None)
 
 
 @contextlib.contextmanager
 def registered_probe(t: torch.Tensor, slot: Slot):
     """``t`` registered as ``slot`` for the block, then the entry it displaced restored:
     the calibration's probe starts at a window's first slot, whose shard is bound."""
-    from . import native
-
     key = t.data_ptr()
     with _lock:
         old = _registry.get(key)
@@ -293,7 +315,7 @@ def registered_probe(t: torch.Tensor, slot: Slot):
                 register(t, old)
             else:
                 _registry.pop(key, None)
-                native.unregister(key)
+                _mirror(key, None)
 
 
 # Training graphs' staging slots (NOTE [training: staged windows and step fences] in
