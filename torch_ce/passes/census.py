@@ -23,8 +23,8 @@ weights would be bound in place (the optimizer then writes a window peers read w
 fence) or read from cast slots made once (stale after the first optimizer step). A graph
 that holds backward nodes (``meta["autograd_backward"]``, what make_fx and Dynamo set when
 tracing ``torch.autograd.grad``) or gradient reduce-scatters (over the group it gathers
-weights over) is a training graph, whatever the flag says (``is_joint_graph``): its gathers read staging slots refreshed between the
-step fences (NOTE [training: staged windows and step fences] in runtime/staging.py).
+weights over) is a training graph, whatever the flag says (``is_joint_graph``): its
+gathers read staging slots refreshed between the step fences (NOTE [training: staged windows and step fences] in runtime/staging.py).
 """
 from __future__ import annotations
 
