@@ -113,6 +113,16 @@ def importable() -> str | None:
     """Why graph_trainer cannot be used here (None: it can)."""
     if importlib.util.find_spec("torchtitan") is None:
         return "torchtitan is not installed"
+    return too_old_torch()
+
+
+def too_old_torch() -> str | None:
+    """torchtitan 0.3.0's graph_trainer imports torch internals that torch 2.11 lacks
+    (``torch._functorch._activation_offloading.offload_ops``,
+    ``torch.distributed.fsdp.DataParallelMeshDims``): it needs torch >= 2.12."""
+    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if release < (2, 12):
+        return f"torchtitan 0.3.0's graph_trainer needs torch >= 2.12; this is {torch.__version__}"
     return None
 
 

@@ -62,9 +62,9 @@ def _wrapper_rank(rank, world, seed):
     import torch.distributed as dist
     from cuda_helpers import register_loopback
 
-    import graph_trainer_harness as H
-
-    H.prepare()
+    # Only graph_trainer's cudagraph module: it imports on every supported torch (the
+    # trainer's own modules need torch >= 2.12, graph_trainer_harness.too_old_torch).
+    import torch_ce  # noqa: F401  (the magi ops)
     from torch_ce.runtime import windows as W
     from torchtitan.experiments.graph_trainer.cudagraph import cudagraph_pass
 
@@ -132,6 +132,10 @@ def _step_rank(rank, world, seed, cache):
 
 
 def test_graph_trainer_step_with_cudagraph_pass(tmp_path):
+    import graph_trainer_harness as H
+
+    if H.importable():
+        pytest.skip(H.importable())
     (r,) = run_ranks(_step_rank, 1, seed_base(), str(tmp_path), backend="nccl", timeout=900)
     print(r["torch_ce"]["table"])
     for p in ("default", "torch_ce"):

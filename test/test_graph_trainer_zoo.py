@@ -17,8 +17,11 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
-
 import graph_trainer_harness as H  # noqa: E402
+
+if H.importable():  # torch 2.11: graph_trainer itself does not import
+    pytest.skip(H.importable(), allow_module_level=True)
+
 import zoo_matrix as M  # noqa: E402
 from mp_harness import run_ranks, seed_base  # noqa: E402
 

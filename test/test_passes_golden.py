@@ -24,7 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import torch_ce
 from torch_ce import report
-from torch_ce.passes import manager
+from torch_ce.passes import census, manager
 from torch_ce.simple_fsdp import gathered, shard_param
 
 
@@ -151,6 +151,12 @@ magi.ce_prefetch([0.weight, 1.weight], 2, '0')
 %1 = _c10d_functional.wait_tensor(%0) -> aten.permute
 %2 = _c10d_functional.all_gather_into_tensor(1.weight, 2, '0')
 %3 = _c10d_functional.wait_tensor(%2) -> aten.permute""")
+        # Counted, never "100.0% of 0 gathered B" (NOTE [every gather is counted]).
+        cov = torch_ce.explain().coverage().total
+        dims = (8, 16, 8)  # mlp()'s: fp32 weights gathered in full
+        weight_bytes = sum(a * b for a, b in zip(dims, dims[1:])) * 4
+        self.assertEqual((cov.ce_bytes, cov.collective_bytes), (0, weight_bytes))
+        self.assertEqual({r.code for r in report.graphs[-1].refused}, {int(census.NCCL_TRANSPORT.code)})
 
     def test_mixed_refusals_stay_on_nccl(self):
         mesh = self.mesh

@@ -41,6 +41,7 @@ MODELS = {
 # optimizers, expert-parallel MoE kernels).
 _TRAINING_ONLY = (
     "torchtitan.distributed.pipeline_parallel",
+    "torchtitan.distributed.minimal_async_ep.kernels",  # Triton's: stubbed alone where absent
     "torchtitan.distributed.minimal_async_ep",
     "torchtitan.components.optimizer",
     "torchtitan.models.llama3.parallelize",

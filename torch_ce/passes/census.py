@@ -48,6 +48,10 @@ BUCKETED = Refusal(
     "gathered by a bucketed collective of several weights (bucketed before torch_ce's pass; "
     "under torchtitan's graph_trainer: --compile.pass_pipeline torch_ce)")
 
+NCCL_TRANSPORT = Refusal(
+    Reason.NCCL_TRANSPORT,
+    'transport="nccl" (torch_ce.enable(transport="copy_engine") puts eligible gathers on the copy engines)')
+
 
 def _op(name: str, overload: str = "default"):
     """An op overload, or None when this torch lacks it."""

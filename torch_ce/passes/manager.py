@@ -76,7 +76,8 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None, *,
     (copy_engine). ``bucketer(graph, seeds, config) -> [Bucket]`` replaces the
     program-adjacent bucketing (``bucket.bucket``)."""
     if config.transport != "copy_engine":
-        return None
+        # The graph stays as it is; its gathers are counted (NOTE [every gather is counted]).
+        return record_unserved(graph, census.NCCL_TRANSPORT)
     U.merge_waits(graph)  # NOTE [one gather, several waits] in fx_utils.py
     if is_inference and census.is_joint_graph(graph):  # NOTE [a joint graph is never an inference graph]
         log.info("torch_ce: a joint forward+backward graph compiled as inference: treated as training")

@@ -58,6 +58,9 @@ class Reason(enum.IntEnum):
     # graph_trainer with its default pipeline while torch_ce is enabled): every weight
     # gather is counted with the option that turns them on (integrations/torchtitan.py).
     NOT_IN_PIPELINE = 38
+    # A graph compiled with transport="nccl": torch_ce leaves it as it is and counts its
+    # weight gathers as collective bytes (passes/manager.py).
+    NCCL_TRANSPORT = 39
     # Placement and process-group facts (bind only).
     PLACEMENT = 40
     NO_GROUP = 41
