@@ -68,7 +68,6 @@ def test_ci_legs_cover_the_supported_torches():
               "test/test_passes_golden.py"):
         assert f in fast, f
     assert all(os.path.isfile(os.path.join(ROOT, f)) for f in fast), fast
-    passes = re.search(r'^PASSES_TESTS="([^"]+)"', legs, re.M).group(1).split()
-    assert "test/test_build.py" in passes and "test/test_passes_golden.py" in passes, passes
-    assert all(os.path.isfile(os.path.join(ROOT, f)) for f in passes), passes
+    for release in ("2.11", "2.14.1"):  # the fast legs
+        assert re.search(rf'"{re.escape(release)}\|[^|]+\|\$FAST_TESTS"', legs), release
     assert re.search(r'"2\.15\|[^|]+\|README"', legs), "the newest release runs the whole default suite"
