@@ -30,12 +30,15 @@ x = torch.randn(16, 256, device=device)
 
 def forward(transport):
     torch._dynamo.reset()
-    torch_ce.enable(transport=transport)  # installs torch_ce's passes in Inductor's config
+    if transport is None:
+        torch_ce.disable()  # plain torch.compile: the collective (NCCL, or gloo on CPU)
+    else:
+        torch_ce.enable(transport=transport)  # installs torch_ce's passes in Inductor's config
     with torch.no_grad():
         return torch.compile(model)(x)  # the copy_engine run binds the weights on its first call
 
 
-ref = forward("nccl")  # the collective (NCCL, or gloo on CPU)
+ref = forward(None)  # without torch_ce
 out = forward("copy_engine")  # one-sided reads of the weights' symmetric-memory windows
 if dist.get_rank() == 0:
     print(torch_ce.explain().table())

@@ -32,7 +32,10 @@ def train(transport):
     mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
     model = data_parallel(mlp.to(device), mesh, mode="fully_shard", mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    torch_ce.enable(transport=transport)  # copy_engine also reshards after forward
+    if transport is None:
+        torch_ce.disable()  # plain torch.compile: the collective (NCCL, or gloo on CPU)
+    else:
+        torch_ce.enable(transport=transport)  # copy_engine also reshards after forward
     step, losses = torch.compile(model), []
     for x in batches:
         loss = step(x).float().pow(2).mean()
@@ -43,7 +46,7 @@ def train(transport):
     return losses
 
 
-ref = train("nccl")  # the collective (NCCL, or gloo on CPU)
+ref = train(None)  # without torch_ce
 ces = train("copy_engine")
 if dist.get_rank() == 0:
     print(torch_ce.explain().table())

@@ -7,8 +7,13 @@ Plus the small helpers every multi-process test file used to define for itself:
 generator's device: CPU and CUDA tests share it), ``wait(t)`` (``wait_tensor``) and
 ``all_gather_json(obj, group)`` (every rank's JSON-able value, no numpy; see torch_ce/_net.py).
 
-Spawns ``world_size`` fresh processes (``spawn`` start method, never fork: each child
-imports torch on its own, as a real job does). Each child sets ``env``, joins a process
+Starts ``world_size`` fresh processes, never forks of the test's process: each is forked
+from multiprocessing's forkserver, a clean process that has imported torch, its
+distributed package, Dynamo and Inductor and nothing else, never run an op, and never
+imported torch_ce (it reads its environment at import); each child then takes the test
+process's environment of the moment, as a spawned one would. On 2 cores that saves the ~6
+CPU seconds of imports every rank of ~80 multi-rank tests paid (NOTE [ranks from a
+forkserver]); ``TORCH_CE_TEST_START=spawn`` spawns them instead. Each child sets ``env``, joins a process
 group through a TCPStore that this (the test's) process serves for the whole run, on a
 port the kernel gave it: no port is probed free and then bound later, so concurrent
 pytest-xdist workers never race for one (for "nccl" it first selects GPU ``rank`` and
@@ -67,13 +72,37 @@ def wait(t):
     return torch.ops._c10d_functional.wait_tensor(t)
 
 
-def _child(rank, world_size, port, backend, env, fn, args, q):
+# NOTE [ranks from a forkserver]
+# A spawned rank imports torch, torch.distributed, Dynamo and Inductor before its test
+# code runs: ~6 s of one core, ~200 ranks in the default suite, a third of its CPU time on
+# the 2-core CI machine. The forkserver imports them once per test process and forks each
+# rank from that state. What a rank must not inherit it does not: the server runs no op
+# (no thread pool, no CUDA context: a GPU rank initializes CUDA after the fork, as a spawned
+# one does), holds no torch_ce state (torch_ce is imported by the rank, after its
+# environment is set), and a rank replaces its environment with the test process's at
+# the call (the server's is the one it started with).
+_START = os.environ.get("TORCH_CE_TEST_START", "forkserver")
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+            "torch._inductor.compile_fx"]
+
+
+def _context():
+    if _START == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call)
+    return ctx
+
+
+def _child(rank, world_size, port, backend, environ, env, fn, args, q):
     import faulthandler
 
     faulthandler.enable()  # a rank killed by a signal prints its Python stack (stderr)
     # A rank still running at the deadline is sent SIGUSR1 first: it prints every
     # thread's stack (stderr), so a hang names the call it is stuck in.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    os.environ.clear()  # the test process's environment now, then the test's own
+    os.environ.update(environ)
     os.environ.update(env or {})
     try:
         import torch
@@ -102,15 +131,15 @@ def _child(rank, world_size, port, backend, env, fn, args, q):
 
 
 def run_ranks(fn, world_size, *args, timeout=120, backend="gloo", env=None):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; see module doc."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; see module doc."""
     import torch.distributed as dist
 
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     q = ctx.SimpleQueue()
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # see module doc
     port = server.port
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, backend, env, fn, args, q), daemon=True)
+        ctx.Process(target=_child, args=(r, world_size, port, backend, dict(os.environ), env, fn, args, q), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

@@ -297,6 +297,9 @@ def _rank_train(rank, world, cache_dir, seed, bf16):
     gen = torch.Generator().manual_seed(seed + 1000 + rank)
     batches = [torch.randn(2, 5, 16, generator=gen) for _ in range(4)]
     ref, _ = _train("nccl", _build_train(seed, world, policy), batches)
+    from torch_ce import report
+
+    report.clear()  # explain() below: the copy-engine run's graphs (the reference's are "nccl" rows)
     try:
         got, code = _train("copy_engine", _build_train(seed, world, policy), batches,
                            training=True, symm_min_shard_mib=0)

@@ -157,6 +157,9 @@ magi.ce_prefetch([0.weight, 1.weight], 2, '0')
         weight_bytes = sum(a * b for a, b in zip(dims, dims[1:])) * 4
         self.assertEqual((cov.ce_bytes, cov.collective_bytes), (0, weight_bytes))
         self.assertEqual({r.code for r in report.graphs[-1].refused}, {int(census.NCCL_TRANSPORT.code)})
+        e = torch_ce.explain()  # the user's choice, not a refusal
+        self.assertEqual({(w.param, w.status) for w in e.weights}, {("0.weight", "collective"), ("1.weight", "collective")})
+        self.assertIn("(transport=nccl): 2 weight(s) on the collective", e.table())
 
     def test_mixed_refusals_stay_on_nccl(self):
         mesh = self.mesh

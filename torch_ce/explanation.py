@@ -48,7 +48,9 @@ class WeightRow:
     graph_id: int
     param: str  # the parameter's name (placeholder name as a fallback)
     name: str  # the post-grad placeholder
-    status: str  # "bound" | "refused" | "fallback" (refused at bind) | "not bound yet"
+    # "bound" | "refused" | "fallback" (refused at bind) | "not bound yet" | "collective"
+    # (a graph compiled with transport="nccl": the user's choice, not a refusal)
+    status: str
     gathers: int = 1  # gathers of this weight in the graph
     bytes: int = 0
     group: str = ""
@@ -166,15 +168,20 @@ class Explanation:
             by_graph[w.graph_id].append(w)
         for g in self.graphs:
             rows = by_graph[g.graph_id]
-            bound = [w for w in rows if w.status != "refused"]
-            mib = sum(w.bytes for w in bound) / 2**20
-            out.append(f"graph {g.graph_id}: {len(bound)} weight(s) on the copy engine "
-                       f"({mib:.2f} MiB/rank), {len(rows) - len(bound)} refused")
             width = max([24] + [len(w.param) for w in rows])
+            if g.transport != "copy_engine":
+                out.append(f"graph {g.graph_id} (transport={g.transport}): {len(rows)} weight(s) "
+                           "on the collective")
+            else:
+                bound = [w for w in rows if w.status != "refused"]
+                mib = sum(w.bytes for w in bound) / 2**20
+                out.append(f"graph {g.graph_id}: {len(bound)} weight(s) on the copy engine "
+                           f"({mib:.2f} MiB/rank), {len(rows) - len(bound)} refused")
             for w in rows:
                 many = f"  ({w.gathers} gathers)" if w.gathers > 1 else ""
-                if w.status == "refused":
-                    out.append(f"  refused  {w.param:<{width}} {w.reason}{many}")
+                if w.status in ("refused", "collective"):
+                    label = "refused" if w.status == "refused" else "nccl"
+                    out.append(f"  {label:<8} {w.param:<{width}} {w.reason}{many}")
                     continue
                 where = {"bound": f"window {w.window} @ {w.offset}"
                                   + (f" (staging slot, {w.staged})" if w.staged else ""),
@@ -251,7 +258,8 @@ def _weights(graphs, binds) -> list[WeightRow]:
             rows.append(row)
         for r in g.refused:
             by = dict(r.get("collective_bytes") or {})
-            rows.append(WeightRow(g.graph_id, r.get("param") or r["name"], r["name"], "refused",
+            status = "refused" if g.transport == "copy_engine" else "collective"
+            rows.append(WeightRow(g.graph_id, r.get("param") or r["name"], r["name"], status,
                                   r.get("gathers", 1), reason=r["reason"],
                                   collective_bytes=sum(by.values()), by_reason=by))
     return rows
