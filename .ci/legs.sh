@@ -47,7 +47,8 @@ ci_cleanup() {
 
 # ci_step LEG WHAT CMD: CMD in bash -euo pipefail, bounded by the deadline; sets STEP_RC,
 # STEP_S (its wall seconds) and STEP_CPU (user + sys seconds of every process it waited for:
-# on a machine others share, the wall time alone misleads), and prints them.
+# on a machine others share, the wall time alone misleads; the tests' ranks, forked by
+# multiprocessing's forkserver (test/mp_harness.py), are not among them), and prints them.
 ci_step() {
     local leg=$1 what=$2 cmd=$3 left timing wall user sys TIMEFORMAT='%R %U %S'
     left=$((CI_DEADLINE - $(date +%s)))
