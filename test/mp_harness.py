@@ -11,7 +11,7 @@ Starts ``world_size`` fresh processes, never forks of the test's process: each i
 from multiprocessing's forkserver, a clean process that has imported torch, its
 distributed package, Dynamo and Inductor and nothing else, never run an op, and never
 imported torch_ce (it reads its environment at import); each child then takes the test
-process's environment of the moment, as a spawned one would. On 2 cores that saves the ~6
+process's environment of the moment, as a spawned one would. NCCL (GPU) ranks are spawned. On 2 cores that saves the ~6
 CPU seconds of imports every rank of ~80 multi-rank tests paid (NOTE [ranks from a
 forkserver]); ``TORCH_CE_TEST_START=spawn`` spawns them instead. Each child sets ``env``, joins a process
 group through a TCPStore that this (the test's) process serves for the whole run, on a
@@ -77,17 +77,18 @@ def wait(t):
 # code runs: ~6 s of one core, ~200 ranks in the default suite, a third of its CPU time on
 # the 2-core CI machine. The forkserver imports them once per test process and forks each
 # rank from that state. What a rank must not inherit it does not: the server runs no op
-# (no thread pool, no CUDA context: a GPU rank initializes CUDA after the fork, as a spawned
-# one does), holds no torch_ce state (torch_ce is imported by the rank, after its
-# environment is set), and a rank replaces its environment with the test process's at
-# the call (the server's is the one it started with).
+# (no thread pool), holds no torch_ce state (torch_ce is imported by the rank, after its
+# environment is set), and a rank replaces its environment with the test process's at the
+# call (the server's is the one it started with). NCCL ranks are still spawned: CUDA does
+# not survive a fork of a process that initialized it, and whether an import touches the
+# driver is torch's business, not ours.
 _START = os.environ.get("TORCH_CE_TEST_START", "forkserver")
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
             "torch._inductor.compile_fx"]
 
 
-def _context():
-    if _START == "spawn":
+def _context(backend: str):
+    if _START == "spawn" or backend == "nccl":  # GPU ranks: as validated on the GPU machine
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call)
@@ -134,7 +135,7 @@ def run_ranks(fn, world_size, *args, timeout=120, backend="gloo", env=None):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; see module doc."""
     import torch.distributed as dist
 
-    ctx = _context()
+    ctx = _context(backend)
     q = ctx.SimpleQueue()
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # see module doc
     port = server.port
