@@ -117,13 +117,25 @@ def importable() -> str | None:
 
 
 def too_old_torch() -> str | None:
-    """torchtitan 0.3.0's graph_trainer imports torch internals that torch 2.11 lacks
-    (``torch._functorch._activation_offloading.offload_ops``,
-    ``torch.distributed.fsdp.DataParallelMeshDims``): it needs torch >= 2.12."""
-    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if release < (2, 12):
-        return f"torchtitan 0.3.0's graph_trainer needs torch >= 2.12; this is {torch.__version__}"
+    """torchtitan 0.3.0's graph_trainer imports torch internals that torch 2.11 lacks (torch
+    >= 2.12 has them); asked of this torch itself, not of its version number."""
+    import torch.distributed.fsdp as fsdp
+
+    missing = [n for n, ok in (
+        ("torch._functorch._activation_offloading.offload_ops",
+         _has_module("torch._functorch._activation_offloading.offload_ops")),
+        ("torch.distributed.fsdp.DataParallelMeshDims", hasattr(fsdp, "DataParallelMeshDims"))) if not ok]
+    if missing:
+        return (f"torchtitan 0.3.0's graph_trainer needs torch >= 2.12; torch {torch.__version__} "
+                f"lacks {', '.join(missing)}")
     return None
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is absent
+        return False
 
 
 def cpu_math_sdpa(model) -> None:

@@ -7,14 +7,14 @@ Plus the small helpers every multi-process test file used to define for itself:
 generator's device: CPU and CUDA tests share it), ``wait(t)`` (``wait_tensor``) and
 ``all_gather_json(obj, group)`` (every rank's JSON-able value, no numpy; see torch_ce/_net.py).
 
-Starts ``world_size`` fresh processes, never forks of the test's process: each is forked
-from multiprocessing's forkserver, a clean process that has imported torch, its
-distributed package, Dynamo and Inductor and nothing else, never run an op, and never
-imported torch_ce (it reads its environment at import); each child then takes the test
-process's environment of the moment, as a spawned one would. NCCL (GPU) ranks are spawned. On 2 cores that saves the ~6
-CPU seconds of imports every rank of ~80 multi-rank tests paid (NOTE [ranks from a
-forkserver]); ``TORCH_CE_TEST_START=spawn`` spawns them instead. Each child sets ``env``, joins a process
-group through a TCPStore that this (the test's) process serves for the whole run, on a
+Starts ``world_size`` fresh processes, never forks of the test's process. A gloo rank
+is forked from multiprocessing's forkserver, a clean process that has imported torch, its
+distributed package, Dynamo and Inductor and nothing else, never run an op and never
+imported torch_ce (it reads its environment at import); the rank then takes the test
+process's environment of the moment, as a spawned one would. That saves the ~6 CPU
+seconds of imports each of ~200 ranks paid (NOTE [ranks from a forkserver]). NCCL (GPU)
+ranks are spawned; ``TORCH_CE_TEST_START=spawn`` spawns every rank. Each child sets
+``env``, joins a process group through a TCPStore that this (the test's) process serves for the whole run, on a
 port the kernel gave it: no port is probed free and then bound later, so concurrent
 pytest-xdist workers never race for one (for "nccl" it first selects GPU ``rank`` and
 passes ``device_id``), runs ``fn(rank, world_size, *args)``, waits at a barrier (peers may still

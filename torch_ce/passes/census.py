@@ -24,7 +24,8 @@ fence) or read from cast slots made once (stale after the first optimizer step).
 that holds backward nodes (``meta["autograd_backward"]``, what make_fx and Dynamo set when
 tracing ``torch.autograd.grad``) or gradient reduce-scatters (over the group it gathers
 weights over) is a training graph, whatever the flag says (``is_joint_graph``): its
-gathers read staging slots refreshed between the step fences (NOTE [training: staged windows and step fences] in runtime/staging.py).
+gathers read staging slots refreshed between the step fences (NOTE [training: staged
+windows and step fences] in runtime/staging.py).
 """
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ _COALESCED = _ops(("_c10d_functional.all_gather_into_tensor_coalesced",))
 _PRE_BUCKET = _ops(("bucketing._pre_bucket_all_gather",))
 _REDUCE_SCATTER = _ops(("_c10d_functional.reduce_scatter_tensor",),
                        ("_c10d_functional.reduce_scatter_tensor_coalesced",))
+_GATHER_FORMS = _OUT | _COALESCED  # besides all_gather_into_tensor: group name in args[2]
 _AUTO_FUNCTIONALIZED = {getattr(torch.ops.higher_order, n, None) for n in
                         ("auto_functionalized", "auto_functionalized_v2")} - {None}
 
@@ -98,7 +100,7 @@ def is_joint_graph(graph: fx.Graph) -> bool:
             return True
         if n.target in _REDUCE_SCATTER and len(n.args) > 3:
             scatter_groups.add(str(n.args[3]))
-        elif (U.is_all_gather(n) or n.target in _OUT | _COALESCED) and len(n.args) > 2:
+        elif (U.is_all_gather(n) or n.target in _GATHER_FORMS) and len(n.args) > 2:
             gather_groups.add(str(n.args[2]))
     return bool(gather_groups & scatter_groups)
 
