@@ -6,7 +6,8 @@
 #                                    slots: kernels, row gathers, padded / cast / strided
 #                                    reads, graph_trainer's CUDA-graph capture), then the
 #                                    whole default suite under `pytest -n 14`
-#   bash bench/gpu_suite.sh serial   the GPU install, then the whole default suite serially
+#   bash bench/gpu_suite.sh serial [K/N]   the GPU install, then the default suite serially
+#                                    (K/N: the K-th of N shares of its files, one share a call)
 #
 # Logs go to $OUT (each step's own file); a short table last.
 set -u
@@ -15,6 +16,9 @@ MODE=${1:-xdist}
 OUT=${OUT:-/tmp/torch_ce_gpu_suite}
 mkdir -p "$OUT"
 PY=python3
+START=$(date +%s)
+BUDGET_S=${BUDGET_S:-570}  # the device call's limit, less the transfers
+left() { echo $(( BUDGET_S - ($(date +%s) - START) - 35 )); }  # for the next step, SIGINT's grace kept
 ONE_GPU="test/test_build.py test/test_native_cuda.py test/test_rows_cuda.py test/test_rows_triton_cuda.py test/test_uneven_cuda.py test/test_dim1_cuda.py"
 for t in test/test_graph_trainer_cuda.py; do [ -f "$t" ] && ONE_GPU="$ONE_GPU $t"; done
 
@@ -23,22 +27,31 @@ if [ -d .whl ]; then
         && export PYTHONPATH=/tmp/site || exit 1
 fi
 t0=$(date +%s)
-timeout 300 $PY -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/install_$MODE.log" 2>&1
-echo "install rc=$? ($(( $(date +%s) - t0 )) s): $(grep -E '^ *torch_ce: (nvcc|host)' "$OUT/install_$MODE.log" | head -1 | cut -c1-160)"
+# a warm machine keeps the editable install and its built kernels: built once per machine
+if $PY -c "import torch_ce.runtime.native as n, sys; sys.exit(n.library_path() is None)" 2>/dev/null; then
+    echo "install: kept from the last call (warm machine)"
+else
+    timeout 300 $PY -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/install_$MODE.log" 2>&1
+    echo "install rc=$? ($(( $(date +%s) - t0 )) s): $(grep -E '^ *torch_ce: (nvcc|host)' "$OUT/install_$MODE.log" | head -1 | cut -c1-160)"
+fi
 $PY -c "import torch, torch_ce; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name()); print(torch_ce.explain().table().splitlines()[1])"
 
 if [ "$MODE" = xdist ]; then
     t0=$(date +%s)
-    timeout 200 $PY -m pytest -q -p no:cacheprovider $ONE_GPU > "$OUT/tests_1gpu.log" 2>&1
+    timeout -s INT -k 20 200 $PY -m pytest -q -p no:cacheprovider -rfEs $ONE_GPU > "$OUT/tests_1gpu.log" 2>&1
     echo "1-GPU tests rc=$? ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/tests_1gpu.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/tests_1gpu.log" | head -20
     t0=$(date +%s)
-    timeout 330 $PY -m pytest -q -n 14 -p no:cacheprovider test > "$OUT/suite_xdist.log" 2>&1
+    timeout -s INT -k 30 $(left) $PY -m pytest -q -n 14 -p no:cacheprovider -rfE --durations=25 test > "$OUT/suite_xdist.log" 2>&1
     echo "default suite, -n 14: rc=$? ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/suite_xdist.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/suite_xdist.log" | head -30
 else
+    # serial K/N: the K-th of N interleaved shares of the test files (sorted), so that a
+    # serial run longer than one device call is N calls on one warm machine
+    PART=${2:-1/1}; K=${PART%/*}; N=${PART#*/}
+    FILES=$(ls test/test_*.py | sort | awk -v k="$K" -v n="$N" '(NR - 1) % n == k - 1' | tr '\n' ' ')
     t0=$(date +%s)
-    timeout 540 $PY -m pytest -q -p no:cacheprovider test > "$OUT/suite_serial.log" 2>&1
-    echo "default suite, serial: rc=$? ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/suite_serial.log")"
-    grep -E "^(FAILED|ERROR)" "$OUT/suite_serial.log" | head -30
+    timeout -s INT -k 30 $(left) $PY -m pytest -q -p no:cacheprovider -rfE --durations=25 $FILES > "$OUT/suite_serial_${K}of${N}.log" 2>&1
+    echo "default suite, serial, files $PART: rc=$? ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/suite_serial_${K}of${N}.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/suite_serial_${K}of${N}.log" | head -30
 fi

@@ -12,8 +12,8 @@ is forked from multiprocessing's forkserver, a clean process that has imported t
 distributed package, Dynamo and Inductor and nothing else, never run an op and never
 imported torch_ce (it reads its environment at import); the rank then takes the test
 process's environment of the moment, as a spawned one would. That saves the ~6 CPU
-seconds of imports each of ~200 ranks paid (NOTE [ranks from a forkserver]). NCCL (GPU)
-ranks are spawned; ``TORCH_CE_TEST_START=spawn`` spawns every rank. Each child sets
+seconds of imports each of ~200 ranks paid (NOTE [ranks from a forkserver]). Where a GPU
+is visible, ranks are spawned; ``TORCH_CE_TEST_START=spawn`` spawns every rank. Each child sets
 ``env``, joins a process group through a TCPStore that this (the test's) process serves for the whole run, on a
 port the kernel gave it: no port is probed free and then bound later, so concurrent
 pytest-xdist workers never race for one (for "nccl" it first selects GPU ``rank`` and
@@ -79,16 +79,18 @@ def wait(t):
 # rank from that state. What a rank must not inherit it does not: the server runs no op
 # (no thread pool), holds no torch_ce state (torch_ce is imported by the rank, after its
 # environment is set), and a rank replaces its environment with the test process's at the
-# call (the server's is the one it started with). NCCL ranks are still spawned: CUDA does
-# not survive a fork of a process that initialized it, and whether an import touches the
-# driver is torch's business, not ours.
+# call (the server's is the one it started with). Where a GPU is visible every rank is
+# spawned: torch marks a process's forks unusable for CUDA once it has asked the driver
+# anything (``torch.cuda.is_available()`` does, and the server's imports ask), and on a GPU
+# machine Dynamo in a forked gloo rank then fails ("Cannot re-initialize CUDA in forked
+# subprocess"). On a machine without one, a CUDA build's forked ranks never reach CUDA.
 _START = os.environ.get("TORCH_CE_TEST_START", "forkserver")
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
             "torch._inductor.compile_fx"]
 
 
 def _context(backend: str):
-    if _START == "spawn" or backend == "nccl":  # GPU ranks: as validated on the GPU machine
+    if _START == "spawn" or backend == "nccl" or torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call)

@@ -58,6 +58,26 @@ def _step_module(w, name):
     return fx.GraphModule(torch.nn.Module(), g)
 
 
+def _graph_takes_annotations_flag() -> None:
+    """graph_trainer's wrapper captures with ``torch.cuda.graph(..., enable_annotations=...)``
+    (kernel annotations for its trace post-processor, off unless that is configured): a
+    keyword torch 2.11's ``torch.cuda.graph`` lacks. There, a ``torch.cuda.graph`` that takes
+    it, off only, so that the wrapper's own capture and replay run on the GPU machine's torch."""
+    import inspect
+
+    base = torch.cuda.graph
+    if "enable_annotations" in inspect.signature(base.__init__).parameters:
+        return
+
+    class graph(base):
+        def __init__(self, *args, enable_annotations: bool = False, **kwargs):
+            if enable_annotations:
+                raise NotImplementedError(f"torch {torch.__version__} has no CUDA-graph kernel annotations")
+            super().__init__(*args, **kwargs)
+
+    torch.cuda.graph = graph
+
+
 def _wrapper_rank(rank, world, seed):
     import torch.distributed as dist
     from cuda_helpers import register_loopback
@@ -68,6 +88,7 @@ def _wrapper_rank(rank, world, seed):
     from torch_ce.runtime import windows as W
     from torchtitan.experiments.graph_trainer.cudagraph import cudagraph_pass
 
+    _graph_takes_annotations_flag()
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev).manual_seed(seed)
     name = dist.group.WORLD.group_name
