@@ -14,7 +14,9 @@ later one replays. What a torch_ce step graph holds at its head and around each 
   mesh). Between calls the "optimizer" writes the weight in place and the "peer" writes its
   slot; every call, captured or replayed, must gather exactly ``cat(weight in bf16, peer)``
   and leave the refreshed slot equal to the new weight: a replay re-runs the refresh and the
-  reads, and no host-side decision is skipped.
+  reads, and no host-side decision is skipped. It runs on torch 2.11 too (the GPU
+  machine's): only the wrapper's ``enable_annotations`` keyword, off, is given to 2.11's
+  ``torch.cuda.graph``.
 - ``test_graph_trainer_step_with_cudagraph_pass``: graph_trainer's step (Llama3 debug
   config, CPU-sized, world 1) with the torch_ce pipeline and ``cudagraph_pass`` on, against
   the default pipeline: the same losses over 3 AdamW steps, and the step graph captured.
