@@ -7,20 +7,21 @@ Plus the small helpers every multi-process test file used to define for itself:
 generator's device: CPU and CUDA tests share it), ``wait(t)`` (``wait_tensor``) and
 ``all_gather_json(obj, group)`` (every rank's JSON-able value, no numpy; see torch_ce/_net.py).
 
-Starts ``world_size`` fresh processes, never forks of the test's process. A gloo rank
-is forked from multiprocessing's forkserver, a clean process that has imported torch, its
-distributed package, Dynamo and Inductor and nothing else, never run an op and never
-imported torch_ce (it reads its environment at import); the rank then takes the test
-process's environment of the moment, as a spawned one would. That saves the ~6 CPU
-seconds of imports each of ~200 ranks paid (NOTE [ranks from a forkserver]). Where a GPU
-is visible, ranks are spawned; ``TORCH_CE_TEST_START=spawn`` spawns every rank. Each child sets
-``env``, joins a process group through a TCPStore that this (the test's) process serves for the whole run, on a
-port the kernel gave it: no port is probed free and then bound later, so concurrent
-pytest-xdist workers never race for one (for "nccl" it first selects GPU ``rank`` and
-passes ``device_id``), runs ``fn(rank, world_size, *args)``, waits at a barrier (peers may still
-be reading this rank's windows), then calls ``torch_ce.release_all()`` and destroys the
-group. ``fn`` must be a module-level function and its return value picklable; the list
-of return values comes back in rank order.
+Starts ``world_size`` fresh processes, never forks of the test's process. On a machine
+without a GPU a rank is forked from multiprocessing's forkserver, a clean process that
+has imported torch, its distributed package, Dynamo and Inductor and nothing else, never
+run an op and never imported torch_ce (it reads its environment at import); the rank
+then takes the test process's environment of the moment, as a spawned one would. That
+saves the ~6 CPU seconds of imports each of ~200 ranks paid (NOTE [ranks from a
+forkserver]). Where a GPU is visible, or with ``TORCH_CE_TEST_START=spawn``, ranks are
+spawned. Each child sets ``env``, joins a process group through a TCPStore that this
+(the test's) process serves for the whole run, on a port the kernel gave it: no port is
+probed free and then bound later, so concurrent pytest-xdist workers never race for one
+(for "nccl" it first selects GPU ``rank`` and passes ``device_id``), runs ``fn(rank,
+world_size, *args)``, waits at a barrier (peers may still be reading this rank's
+windows), then calls ``torch_ce.release_all()`` and destroys the group. ``fn`` must be a
+module-level function and its return value picklable; the list of return values comes
+back in rank order.
 
 Any rank's exception fails the calling test with that rank's traceback text; a child
 that dies without reporting (crash, kill) fails it with its exit code; if the ranks have
@@ -89,8 +90,8 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dy
             "torch._inductor.compile_fx"]
 
 
-def _context(backend: str):
-    if _START == "spawn" or backend == "nccl" or torch.cuda.is_available():
+def _context():
+    if _START == "spawn" or torch.cuda.is_available():  # NCCL ranks included
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call)
@@ -137,7 +138,7 @@ def run_ranks(fn, world_size, *args, timeout=120, backend="gloo", env=None):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; see module doc."""
     import torch.distributed as dist
 
-    ctx = _context(backend)
+    ctx = _context()
     q = ctx.SimpleQueue()
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # see module doc
     port = server.port
