@@ -6,9 +6,11 @@
 #                                    slots: kernels, row gathers, padded / cast / strided
 #                                    reads, graph_trainer's CUDA-graph capture), then the
 #                                    whole default suite under `pytest -n 14`
-#   bash bench/gpu_suite.sh serial [K/N]   the GPU install, then the default suite serially
-#                                    (K/N: the K-th of N shares of its files, one share a call;
-#                                    or the test files named after "serial")
+#   bash bench/gpu_suite.sh serial [FILE...]   the GPU install, then the default suite (or
+#                                    the test files named) serially: the whole suite is longer
+#                                    than one device call there, so it runs as lists of files,
+#                                    one list a call on one warm machine (docs/perf-notes.md
+#                                    section 19 gives three that fit)
 #
 # Logs go to $OUT (each step's own file); a short table last.
 set -u
@@ -47,18 +49,10 @@ if [ "$MODE" = xdist ]; then
     echo "default suite, -n 14: rc=$? ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/suite_xdist.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/suite_xdist.log" | head -30
 else
-    # serial K/N: the K-th of N interleaved shares of the test files (sorted), so that a
-    # serial run longer than one device call is N calls on one warm machine; serial FILE...:
-    # those files (what an interrupted share left)
-    PART=${2:-1/1}; K=${PART%/*}; N=${PART#*/}
-    if [[ $PART =~ ^[0-9]+/[0-9]+$ ]]; then
-        FILES=$(ls test/test_*.py | sort | awk -v k="$K" -v n="$N" '(NR - 1) % n == k - 1' | tr '\n' ' ')
-        LOG="$OUT/suite_serial_${K}of${N}.log"
-    else
-        FILES="${*:2}"; PART="named"; LOG="$OUT/suite_serial_named.log"
-    fi
+    FILES="${*:2}"; LOG="$OUT/suite_serial_named.log"
+    [ -n "$FILES" ] || { FILES=test; LOG="$OUT/suite_serial.log"; }
     t0=$(date +%s)
     timeout -s INT -k 30 $(left) $PY -m pytest -q -p no:cacheprovider -rfE --durations=25 $FILES > "$LOG" 2>&1
-    echo "default suite, serial, files $PART: rc=$? ($(( $(date +%s) - t0 )) s): $(tail -1 "$LOG")"
+    echo "default suite, serial, $(wc -w <<<"$FILES") path(s): rc=$? ($(( $(date +%s) - t0 )) s): $(tail -1 "$LOG")"
     grep -E "^(FAILED|ERROR)" "$LOG" | head -30
 fi
