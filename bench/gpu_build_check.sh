@@ -86,7 +86,7 @@ TRITON_INC=$($PY -c "import os, triton; print(os.path.join(os.path.dirname(trito
   echo "rc=$?" >> "$OUT/build_mismatch.log"
   # The source's own guard, should a wrong cuda_runtime_api.h come first anyway.
   INC=$($PY -c "from torch.utils import cpp_extension as c; print(' '.join('-I' + d for d in c.include_paths()))")
-  timeout 120 g++ -std=c++17 -fsyntax-only -DTORCH_CE_RUNTIME_CUDA_MAJOR=13 -Icsrc $INC -I"$TRITON_INC" csrc/ce_torch.cpp > "$OUT/guard_mismatch.log" 2>&1
+  timeout 120 g++ -std=c++17 -fsyntax-only -DTORCH_CE_RUNTIME_CUDA_MAJOR=13 -Icsrc $INC -I"$TRITON_INC" -x c++ csrc/ce_ops.cu > "$OUT/guard_mismatch.log" 2>&1
   echo "rc=$?" >> "$OUT/guard_mismatch.log" ) &
 MIS_JOB=$!
 

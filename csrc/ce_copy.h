@@ -1,7 +1,7 @@
 // torch_ce: the order of one bucket's reads, and the two ways its copies reach
 // the copy engines.
 //
-// Used by the torch kernels (ce_torch.cpp); header-only and free of torch
+// Used by the torch kernels (ce_ops.cu); header-only and free of torch
 // headers, so the copy calls read on their own (and read_plan compiles and
 // runs on a machine without a GPU: test/test_build.py).
 #pragma once

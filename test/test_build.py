@@ -1,4 +1,4 @@
-"""The one compiled piece, csrc/ce_torch.cpp: built and loaded against a CUDA torch (by
+"""The one compiled piece, csrc/ce_ops.cu: built and loaded against a CUDA torch (by
 nvcc, or by the host compiler against CUDA headers of torch's runtime version: NOTE
 [building without nvcc] in torch_ce/runtime/toolchain.py), compile-checked (not installed)
 against a CPU torch.
@@ -49,7 +49,7 @@ def _check(tmp_path, text: str) -> None:
 @requires_nvcc
 def test_compile_check_accepts_the_copy_header_with_torch_cuda_headers(tmp_path):
     """ce_copy.h and torch's c10/cuda headers (with the shim a CPU wheel needs) compile
-    through nvcc: what the install's check of ce_torch.cpp stands on."""
+    through nvcc: what the install's check of ce_ops.cu stands on."""
     _check(tmp_path, '#include <c10/cuda/CUDAStream.h>\n#include "ce_copy.h"\n'
                      "bool f() { return torch_ce_copy::batch_supported(); }\n")
     assert (tmp_path / "build" / "ce_torch_check.o").stat().st_size > 0
@@ -63,7 +63,7 @@ def test_compile_check_fails_on_a_broken_source(tmp_path):
 
 
 def test_torch_kernels_follow_the_torch_build():
-    """csrc/ce_torch.cpp links torch's CUDA libraries: built and loaded with a CUDA torch
+    """csrc/ce_ops.cu links torch's CUDA libraries: built and loaded with a CUDA torch
     (and nvcc), absent with a CPU torch, where CUDA gathers stay on the collective."""
     from torch_ce.runtime import gather, native
 
@@ -73,7 +73,7 @@ def test_torch_kernels_follow_the_torch_build():
         with native.split_local_copy_as(False):  # no kernels to push to, never an error
             assert not native.split_local_copy()
     else:
-        assert native.library_path() is not None, "csrc/ce_torch.cpp was not built"
+        assert native.library_path() is not None, "csrc/ce_ops.cu was not built"
         assert native.load() == (os.environ.get("TORCH_CE_NATIVE", "1") != "0")
         if native.loaded():  # says how it was built, and which row kernel serves
             tool, headers, rows = native.build_info()
@@ -213,7 +213,7 @@ def test_peer_order_knobs(monkeypatch):
 def test_no_getenv_in_the_gather():
     """No knob is read from the environment in C++ (NOTE [experiment knobs]: Python reads
     them once and pushes them)."""
-    for name in ("ce_torch.cpp", "ce_copy.h", "ce_rows.cu"):
+    for name in ("ce_ops.cu", "ce_copy.h", "ce_rows.cu"):
         with open(os.path.join(ROOT, "csrc", name)) as f:
             assert "getenv" not in f.read(), name
 

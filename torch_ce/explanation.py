@@ -79,34 +79,53 @@ class WeightRow:
 class Coverage:
     """Gathered bytes per call: on the copy engines, and on the collective by reason
     (NOTE [coverage bytes] in report.py: a gather counts the bytes it writes, shard x group
-    size; a row gather the rows it looks up)."""
+    size; a row gather the rows it looks up).
+
+    ``seen`` tells "no weight gather seen yet" from a measured share: ``share`` is None
+    until a gather of some bytes was counted, never a percentage of zero bytes."""
 
     ce_bytes: int = 0
     collective_bytes: int = 0
     by_reason: dict = dataclasses.field(default_factory=dict)  # reason -> collective bytes
     graph_id: int | None = None  # None: the total
+    weights: int = 0  # weight rows counted (a weight once per graph that gathers it)
+    # Why nothing was seen, when nothing was ("no graph compiled in this process").
+    unseen_reason: str = ""
 
     @property
-    def share(self) -> float:
-        """ce / (ce + collective); 1.0 when nothing was gathered."""
+    def seen(self) -> bool:
+        """True once a weight gather was counted (of any bytes)."""
+        return self.weights > 0
+
+    @property
+    def share(self) -> float | None:
+        """ce / (ce + collective); None when no gathered byte was counted."""
         total = self.ce_bytes + self.collective_bytes
-        return self.ce_bytes / total if total else 1.0
+        return self.ce_bytes / total if total else None
 
     def add(self, ce: int, by_reason: dict) -> None:
+        self.weights += 1
         self.ce_bytes += ce
         for why, nb in by_reason.items():
             self.by_reason[why] = self.by_reason.get(why, 0) + nb
             self.collective_bytes += nb
 
     def as_dict(self) -> dict:
-        return dict(graph_id=self.graph_id, ce_bytes=self.ce_bytes,
-                    collective_bytes=self.collective_bytes, share=self.share,
-                    by_reason=dict(self.by_reason))
+        return dict(graph_id=self.graph_id, seen=self.seen, weights=self.weights,
+                    ce_bytes=self.ce_bytes, collective_bytes=self.collective_bytes,
+                    share=self.share, by_reason=dict(self.by_reason),
+                    unseen_reason=self.unseen_reason)
 
     def line(self) -> str:
         label = "total" if self.graph_id is None else f"graph {self.graph_id}"
+        if not self.seen:
+            return (f"coverage {label}: no weight gather seen yet"
+                    + (f" ({self.unseen_reason})" if self.unseen_reason else ""))
         why = "".join(f"; {nb:,d} B {reason}" for reason, nb in
                       sorted(self.by_reason.items(), key=lambda kv: -kv[1]))
+        if self.share is None:
+            return (f"coverage {label}: 0 gathered B in {self.weights} weight gather(s) "
+                    f"(their shards hold no bytes){why}")
         return (f"coverage {label}: {100 * self.share:.1f}% of {self.ce_bytes + self.collective_bytes:,d} "
                 f"gathered B on the copy engines ({self.ce_bytes:,d} B){why}")
 
@@ -117,6 +136,12 @@ class CoverageReport:
 
     total: Coverage
     per_graph: list
+
+    @property
+    def seen(self) -> bool:
+        """False in a process that has counted no weight gather yet ("nothing seen", which
+        is not "100%")."""
+        return self.total.seen
 
     def as_dict(self) -> dict:
         return dict(total=self.total.as_dict(), per_graph=[c.as_dict() for c in self.per_graph])
@@ -143,6 +168,13 @@ class Explanation:
             if c is not None:
                 c.add(w.ce_bytes, w.by_reason)
             total.add(w.ce_bytes, w.by_reason)
+        if not total.seen:
+            total.unseen_reason = (
+                "no graph compiled in this process" if not self.graphs else
+                f"{len(self.graphs)} graph(s) compiled, none gathers a weight")
+        for c in per.values():
+            if not c.seen:
+                c.unseen_reason = "this graph gathers no weight"
         return CoverageReport(total, [per[g.graph_id] for g in self.graphs])
 
     def as_dict(self) -> dict:

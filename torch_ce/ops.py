@@ -325,7 +325,7 @@ _lib.define("ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_
             "int padded_rows=0, int rows=0) -> Tensor")
 _lib.define("ce_all_gather_padded(Tensor shard, int rows, int group_size, str group_name) -> Tensor")
 # The Python kernel under its own name: the C++ kernels hand it every bucket they do not
-# serve (NOTE [native gather path] in csrc/ce_torch.cpp). Never traced, so no fake impl.
+# serve (NOTE [native gather path] in csrc/ce_ops.cu). Never traced, so no fake impl.
 _private = torch.library.Library("torch_ce", "DEF")
 _private.define("gather_python(Tensor[] shards, int group_size, str group_name) -> Tensor[]")
 _private.define("gather_dim_python(Tensor shard, int group_size, str group_name, int gather_dim) -> Tensor")

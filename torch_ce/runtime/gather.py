@@ -3,7 +3,7 @@ gather of embedding lookups (``gather_rows``, NOTE [row gathers] in passes/rows.
 the kernel that serves each is chosen (``kernel_path`` says which, for ``explain()``).
 
 On CUDA with the C++ kernels loaded it is their gather (NOTE [native gather path] in
-csrc/ce_torch.cpp). Everywhere else it is ``copy_peers``: per-peer ``copy_`` of each
+csrc/ce_ops.cu). Everywhere else it is ``copy_peers``: per-peer ``copy_`` of each
 slot's ``peer_views`` on the *current* stream, in the C++ gather's peer order. On CPU that
 is the host transport's memcpy (it completes before returning); on CUDA it is the opted-in fallback
 (``config.cuda_torch_fallback``), ordered by the current stream alone, so its outputs
@@ -212,7 +212,7 @@ def kernel_path(device_type: str) -> str:
         rows_text = {"cuda": "CUDA kernel (csrc/ce_rows.cu)",
                      "triton": "Triton kernel (runtime/rows_triton.py)"}.get(
             rows, f"pure-torch take_rows ({why}; slow: syncs per peer)")
-        return (f"C++ kernels (csrc/ce_torch.cpp, built by {tool} against CUDA {headers} "
+        return (f"C++ kernels (csrc/ce_ops.cu, built by {tool} against CUDA {headers} "
                 f"headers); row gather: {rows_text}")
     return f"pure-torch fallback (opted in, slow). To build the kernels: {native.build_command()}"
 

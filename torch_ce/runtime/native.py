@@ -1,4 +1,4 @@
-"""The C++ kernels of the magi gathers (csrc/ce_torch.cpp, NOTE [native gather path]).
+"""The C++ kernels of the magi gathers (csrc/ce_ops.cu, NOTE [native gather path]).
 
 Loaded once, at import of ``torch_ce.ops``, when the library was built (a CUDA build of
 torch at install; nvcc or the host compiler, NOTE [building without nvcc] in
@@ -163,7 +163,7 @@ def load() -> bool:
     elif torch.version.cuda is None:
         why = f"torch {torch.__version__} is a CPU build"
     elif library_path() is None:
-        why = "csrc/ce_torch.cpp was not built"
+        why = "csrc/ce_ops.cu was not built"
     else:
         try:
             torch.ops.load_library(library_path())
@@ -219,7 +219,7 @@ def _warn_once(device_type: str, why: str) -> None:
         if device_type in _warned:
             return
         _warned.add(device_type)
-    msg = (f"torch_ce: transport='copy_engine' but the C++ gather kernels (csrc/ce_torch.cpp) "
+    msg = (f"torch_ce: transport='copy_engine' but the C++ gather kernels (csrc/ce_ops.cu) "
            f"are not available: {why}. Every {device_type} weight gather stays on the "
            f"collective backend (NCCL); nothing runs on the copy engines. To build them: "
            f"{build_command()}. "
