@@ -197,3 +197,46 @@ def test_explain_three_times_with_param_names(tmp_path):
             assert "arg0_1" not in s["table"], (ctx, s["table"])
             head = f"torch_ce explain (transport=copy_engine, torch {torch.__version__})"
             assert s["table"].splitlines()[0] == head, (ctx, s["table"])
+
+
+# ---------------------------------------------------------------------------------------
+# Nothing seen is not 100%
+# ---------------------------------------------------------------------------------------
+
+
+def test_fresh_process_explain_says_no_gather_seen():
+    """A fresh process (no graph compiled, no weight gather counted): explain() says so in
+    words and prints no percentage; coverage() reports "nothing seen" (``seen`` False,
+    ``share`` None), which a caller can tell from a measured 100%."""
+    import subprocess
+    import sys
+
+    code = ("import json, torch_ce; e = torch_ce.explain(); c = e.coverage();"
+            "print(json.dumps(dict(table=e.table(), seen=c.seen, total=c.total.as_dict())))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    import json
+
+    r = json.loads(out.strip().splitlines()[-1])
+    assert "coverage total: no weight gather seen yet (no graph compiled in this process)" \
+        in r["table"], r["table"]
+    assert "%" not in r["table"], r["table"]
+    assert r["seen"] is False and r["total"]["seen"] is False, r
+    assert r["total"]["share"] is None and r["total"]["weights"] == 0, r
+
+
+def test_coverage_tells_nothing_seen_from_zero_bytes_and_from_a_share():
+    """The three states of a Coverage: nothing seen, gathers of 0 B (said as such, with
+    the reason), and a measured share."""
+    from torch_ce.explanation import Coverage
+
+    c = Coverage()
+    assert not c.seen and c.share is None and "no weight gather seen yet" in c.line()
+    ce, coll = random.randint(1, 1000), random.randint(1, 1000)
+    c.add(0, {})
+    assert c.seen and c.share is None
+    assert c.line().startswith("coverage total: 0 gathered B in 1 weight gather(s)"), c.line()
+    c.add(ce, {"not a weight": coll})
+    assert c.share == pytest.approx(ce / (ce + coll))
+    assert f"{100 * ce / (ce + coll):.1f}% of {ce + coll:,d} gathered B" in c.line(), c.line()
+    assert f"{coll:,d} B not a weight" in c.line(), c.line()
