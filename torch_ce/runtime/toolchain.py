@@ -7,7 +7,8 @@ bind-time warning). Plain functions over a ``torch`` module and an environment p
 a CPU test can check every choice (test/test_build.py); nothing here imports torch_ce.
 
 # NOTE [building without nvcc]
-The gather needs no device code: csrc/ce_ops.cu is host C++ that calls the CUDA runtime
+The gather needs no device code: csrc/ce_ops.cu (a .cu by the design card's name, read
+as C++ with ``-x c++``) is host C++ that calls the CUDA runtime
 (``cudaMemcpyBatchAsync``, events, streams). So any host C++ compiler builds it against
 torch's headers and CUDA's *runtime* headers, and links torch's libraries and the
 ``libcudart`` torch already loads. What it needs from CUDA is headers whose version is the
