@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import json
 import pkgutil
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import torch_ce
 from mp_harness import TitanEmbedding, fsdp_every_param, run_ranks, setup_compile
+from torch_ce.explanation import Coverage
 from torch_ce.passes.param_names import fqn_from_source
 from torch_ce.runtime import native
 
@@ -208,15 +212,10 @@ def test_fresh_process_explain_says_no_gather_seen():
     """A fresh process (no graph compiled, no weight gather counted): explain() says so in
     words and prints no percentage; coverage() reports "nothing seen" (``seen`` False,
     ``share`` None), which a caller can tell from a measured 100%."""
-    import subprocess
-    import sys
-
     code = ("import json, torch_ce; e = torch_ce.explain(); c = e.coverage();"
             "print(json.dumps(dict(table=e.table(), seen=c.seen, total=c.total.as_dict())))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
-    import json
-
     r = json.loads(out.strip().splitlines()[-1])
     assert "coverage total: no weight gather seen yet (no graph compiled in this process)" \
         in r["table"], r["table"]
@@ -228,8 +227,6 @@ def test_fresh_process_explain_says_no_gather_seen():
 def test_coverage_tells_nothing_seen_from_zero_bytes_and_from_a_share():
     """The three states of a Coverage: nothing seen, gathers of 0 B (said as such, with
     the reason), and a measured share."""
-    from torch_ce.explanation import Coverage
-
     c = Coverage()
     assert not c.seen and c.share is None and "no weight gather seen yet" in c.line()
     ce, coll = random.randint(1, 1000), random.randint(1, 1000)
