@@ -83,6 +83,21 @@ struct Slot {
   c10::ScalarType dtype;
   std::vector<int64_t> shape;
   std::string group_name;
+  // NOTE [the version net] in torch_ce/runtime/versions.py: the version counters a
+  // write to the weight moves (its local shard's, its DTensor parameter's), their
+  // values when the slot was last consistent, and poisoned (inside
+  // updating_weights, or after it failed). A change hands the bucket to the Python
+  // kernel, which raises StaleWeightError naming the weight.
+  std::vector<c10::VariableVersion> watch;
+  std::vector<uint32_t> expect;
+  bool poisoned = false;
+
+  bool stale() const {
+    if (poisoned) return true;
+    for (size_t k = 0; k < watch.size(); ++k)
+      if (watch[k].current_version() != expect[k]) return true;
+    return false;
+  }
 };
 
 std::mutex g_mu;
@@ -229,7 +244,7 @@ bool resolve(at::TensorList shards, int64_t group_size,
       if (slot.dtype != s.scalar_type() ||
           static_cast<int64_t>(slot.peer_ptrs.size()) != group_size ||
           slot.group_name != group_name || !s.sizes().equals(slot.shape) ||
-          s.device() != shards[0].device())
+          s.device() != shards[0].device() || slot.stale())
         return false;
       slots.push_back(it->second);
     }
@@ -623,6 +638,28 @@ void register_slot(int64_t key, std::vector<int64_t> peer_ptrs, int64_t rank,
   g_slots[static_cast<uintptr_t>(key)] = std::move(slot);
 }
 
+// The watch of the slot at ``key`` (NOTE [the version net]): copy-on-write, so a
+// gather holding the old entry keeps it. Registered for CompositeImplicitAutograd so a
+// DTensor parameter arrives as itself (its Python dispatch never runs): only its
+// version counter is read. False: no slot at ``key``.
+bool watch_slot(int64_t key, at::TensorList watched, bool poisoned) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto it = g_slots.find(static_cast<uintptr_t>(key));
+  if (it == g_slots.end()) return false;
+  auto slot = std::make_shared<Slot>(*it->second);
+  slot->watch.clear();
+  slot->expect.clear();
+  for (const auto& t : watched) {
+    const c10::VariableVersion& vc = t.unsafeGetTensorImpl()->version_counter();
+    if (!vc.enabled()) continue;  // an inference tensor: never written in place
+    slot->watch.push_back(vc);
+    slot->expect.push_back(vc.current_version());
+  }
+  slot->poisoned = poisoned;
+  it->second = std::move(slot);
+  return true;
+}
+
 void unregister_slot(int64_t key) {
   std::lock_guard<std::mutex> lk(g_mu);
   g_slots.erase(static_cast<uintptr_t>(key));
@@ -691,6 +728,11 @@ TORCH_LIBRARY(torch_ce_native, m) {
         &gather_bound_dim);
   m.def("set_dim_strategy(int strategy) -> ()", &set_dim_strategy);
   m.def("dim_strategy() -> int", &dim_strategy);
+  m.def("watch_slot(int key, Tensor[] watched, bool poisoned) -> bool");
+}
+
+TORCH_LIBRARY_IMPL(torch_ce_native, CompositeImplicitAutograd, m) {
+  m.impl("watch_slot", TORCH_FN(watch_slot));
 }
 
 TORCH_LIBRARY_IMPL(magi, CUDA, m) {

@@ -57,20 +57,16 @@ def _run(rank, world, seed, cache_root):
             res["pending_after_calls"] = prefetch.pending()
             res["graph_prefetch"] = torch_ce.report.graphs[-1].prefetch
 
-            # Every rank updates its own shard in place (version counters move), then the
-            # eager reference takes the same full weights. The barriers are the CE contract
-            # for changing weights: no peer may still be reading the old ones (this rank's
-            # prefetch at the end of the last call included), and none may read before all
-            # are written.
-            dist.barrier()
+            # Every rank updates its own shard in place through the protocol (it fences,
+            # and drops the parked set), then the eager reference takes the same full weights.
             torch.manual_seed(seed + 7)
             new = [torch.randn(m.out_features, m.in_features) for m in eager]
             rows = [w.shape[0] // world for w in new]
-            for s, w, r in zip(shards, new, rows):
-                s.copy_(w[rank * r:(rank + 1) * r])
+            with torch_ce.updating_weights(model):
+                for s, w, r in zip(shards, new, rows):
+                    s.copy_(w[rank * r:(rank + 1) * r])
             for m, w in zip(eager, new):
                 m.weight.copy_(w)
-            dist.barrier()
             call(3)
             call(4)
 
@@ -100,8 +96,8 @@ def test_prefetch_across_calls_host_transport(tmp_path):
         assert [s["taken"] for s in r["stats"][:3]] == [0, 2, 4], r["stats"]
         assert [s["prefetched"] for s in r["stats"][:3]] == [2, 4, 6], r["stats"]
         assert r["pending_after_calls"] == 2, r
-        # After the update: both parked weights were stale (not taken), call 5 takes again.
-        assert r["stats"][3]["stale"] == 2 and r["stats"][3]["taken"] == 4, r["stats"]
+        # The update dropped both parked weights (not taken), call 5 takes again.
+        assert r["stats"][3]["dropped"] == 2 and r["stats"][3]["taken"] == 4, r["stats"]
         assert r["stats"][4]["taken"] == 6, r["stats"]
         assert r["pending_after_drop"] == 0, r
         assert r["other_exact"], r

@@ -7,8 +7,10 @@ Public API:
   all_gather(shard, group)       gather one bound shard (op + wait), eager convenience
   config                         the settings (see torch_ce/config.py; TORCH_CE_* env vars)
   explain()                      what the passes and binds did
-  drop_prefetched()              forget gathers prefetched for the next call (after a
-                                 weight update; NOTE [cross-call prefetch] in runtime/prefetch.py)
+  drop_prefetched()              forget gathers prefetched for the next call
+  updating_weights(model)        the context every rank updates bound weights in (NOTE
+                                 [updating bound weights] in runtime/updates.py);
+                                 StaleWeightError / UpdateError: the net's and its errors
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from . import ops  # noqa: F401  (defines torch.ops.magi.*)
 from .config import config
 from .runtime.binding import BindResult, bind
 from .runtime.prefetch import drop as drop_prefetched
+from .runtime.updates import UpdateError, updating_weights
+from .runtime.versions import StaleWeightError
 from .runtime.windows import release_all
 
 
@@ -58,5 +62,5 @@ def explain(print_table: bool = False):
     return _explain(print_table=print_table)
 
 
-__all__ = ["BindResult", "all_gather", "bind", "config", "disable", "drop_prefetched", "enable", "explain",
-           "release_all"]
+__all__ = ["BindResult", "StaleWeightError", "UpdateError", "all_gather", "bind", "config", "disable",
+           "drop_prefetched", "enable", "explain", "release_all", "updating_weights"]

@@ -83,6 +83,7 @@ import torch
 from .runtime import native, prefetch
 from .runtime import windows as W
 from .runtime.gather import gather_rows, gather_slot_dim, gather_slots
+from .runtime.versions import check as check_versions
 
 _FUNCTIONAL = torch.ops._c10d_functional
 
@@ -157,14 +158,17 @@ def gather(shards: Sequence[torch.Tensor], group_size: int, group_name: str) -> 
         return [s.clone() for s in shards]
     _check_live(group_name)
     outs: list[torch.Tensor | None] = [None] * len(shards)
+    entries = [W.lookup(s) for s in shards]
+    for s, entry in zip(shards, entries):
+        if isinstance(entry, W.Slot):
+            check_versions(entry)  # NOTE [the version net]: before any parked value is used
     if prefetch.any_parked():  # NOTE [cross-call prefetch]
         for i, o in prefetch.take(shards, group_name).items():
             outs[i] = o
     bound_idx, slots = [], []
-    for i, s in enumerate(shards):
+    for i, (s, entry) in enumerate(zip(shards, entries)):
         if outs[i] is not None:
             continue
-        entry = W.lookup(s)
         if isinstance(entry, W.Slot):
             _check_group(entry, group_size, group_name)
             bound_idx.append(i)
@@ -206,6 +210,7 @@ def ce_all_gather_dim(shard: torch.Tensor, group_size: int, group_name: str, gat
     entry = W.lookup(shard)
     if isinstance(entry, W.Slot):
         _check_group(entry, group_size, group_name)
+        check_versions(entry)
         return gather_slot_dim(shard, entry, group_size, gather_dim)
     if isinstance(entry, W.Fallback):
         full = _collective_gather(shard, group_size, group_name, wait=True)
@@ -252,6 +257,7 @@ def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, grou
     entry = W.lookup(shard)
     if isinstance(entry, W.Slot):
         _check_group(entry, group_size, group_name)
+        check_versions(entry)
         return gather_rows(shard, entry, ids)
     if isinstance(entry, W.Fallback):
         return torch.embedding(_collective_gather(shard, group_size, group_name, wait=True), ids)
@@ -273,6 +279,7 @@ def _gather_rows_padded(shard, ids, group_size, group_name, padded_rows, rows):
     if isinstance(hit, tuple):
         slot, full = hit
         _check_group(slot, group_size, group_name)
+        check_versions(slot)
         return gather_rows(full, slot, ids)
     if isinstance(hit, W.Fallback) or group_size == 1:
         table = ce_all_gather_padded(shard, padded_rows, group_size, group_name)

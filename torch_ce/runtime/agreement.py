@@ -54,13 +54,17 @@ class Round:
     ``BindError`` with ``message``.
     """
 
-    def __init__(self, group_ranks: tuple, rank: int, timeout_s: float, arrival_timeout_s: float):
+    def __init__(self, group_ranks: tuple, rank: int, timeout_s: float, arrival_timeout_s: float,
+                 what: str = "bind", error: type = BindError, timeout_names=("bind_arrival_timeout_s", "bind_timeout_s")):
         self.store = _store()
         self.ranks = group_ranks
         self.rank = rank  # this process's global rank
-        key = (id(self.store), group_ranks)
+        # ``what`` names the rounds (a bind, or runtime/updates.py's "update"), each kind
+        # counted on its own: every member runs each kind's rounds in the same order.
+        self.what, self.error, self.timeout_names = what, error, timeout_names
+        key = (id(self.store), group_ranks, what)
         _rounds[key] = n = _rounds.get(key, 0) + 1
-        self.prefix = f"torch_ce/bind/{'-'.join(map(str, group_ranks))}/{n}"
+        self.prefix = f"torch_ce/{what}/{'-'.join(map(str, group_ranks))}/{n}"
         self.timeout_s = timeout_s
         self.arrival_timeout_s = arrival_timeout_s
         self.phases = 0
@@ -100,19 +104,19 @@ class Round:
                 break
             failed = self._aborted()
             if failed is not None:
-                raise BindError(f"torch_ce: bind failed on rank {failed[0]}: {failed[1]}")
+                raise self.error(f"torch_ce: {self.what} failed on rank {failed[0]}: {failed[1]}")
             if time.monotonic() > deadline:
-                what = "bind_arrival_timeout_s" if self.phases == 1 else "bind_timeout_s"
+                what = self.timeout_names[0 if self.phases == 1 else 1]
                 msg = (f"torch_ce: rank(s) {waiting} of group {list(self.ranks)} did not reach "
-                       f"the bind's '{phase}' step within {timeout:g} s ({what}; a rank that "
+                       f"the {self.what}'s '{phase}' step within {timeout:g} s ({what}; a rank that "
                        "crashed, hangs, or runs other graphs than its peers?)")
                 self.abort(f"rank {self.rank} timed out: {msg}")
-                raise BindError(msg)
+                raise self.error(msg)
             time.sleep(sleep)
             sleep = min(sleep * 2, _POLL_S[1])
         failed = self._aborted()
         if failed is not None:
-            raise BindError(f"torch_ce: bind failed on rank {failed[0]}: {failed[1]}")
+            raise self.error(f"torch_ce: {self.what} failed on rank {failed[0]}: {failed[1]}")
         return got
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import config
-from . import native
+from . import native, versions
 from . import windows as W
 from .agreement import BindError, Descriptor, Round, agree, descriptor, refuse_split_staging
 from .eligibility import Reason, Refusal, refusal, shard_refusal
@@ -55,6 +55,9 @@ class Candidate:
     # in windows.py). 0: the slot is the shard's own shape.
     rows: int = 0
     static: bool = False  # a cast slot of an inference graph (NOTE [cast slots] in staging.py)
+    # Tensors wrapping ``tensor`` whose version counters a write moves (the DTensor
+    # parameter): NOTE [the version net] in versions.py. Empty: found at bind.
+    owners: list = dataclasses.field(default_factory=list)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -163,7 +166,7 @@ def candidate_from_param(name: str, p: torch.Tensor, group, min_shard_bytes: int
 
         report.note_mesh_dim(pg.group_name, mesh, dim)  # explain(): which mesh dim
         local = p._local_tensor
-        return Candidate(name, local, pg, local_reason(local, pg, min_shard_bytes))
+        return Candidate(name, local, pg, local_reason(local, pg, min_shard_bytes), owners=[p])
     return Candidate(name, p, group, local_reason(p, group, min_shard_bytes))
 
 
@@ -400,6 +403,7 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
     for p in plans:
         W.add_windows(p.pool, p.new)
         res.windows_opened += len(p.new)
+    watched = []
     for c, slot in slots:
         slot.window.used = max(slot.window.used, slot.offset + W.align_up(slot.nbytes))
         _transport(slot.window.device).publish_slot(slot)
@@ -413,8 +417,11 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
             W.register_padded(full, slot, c.tensor)
         else:
             W.register(c.tensor, slot)
+        if c.static or c.stage_dtype is None:  # a staging slot is refreshed every step
+            watched.append((slot, c.tensor, c.name, c.owners))
         res.bound.append(c.name)
         res.bytes_bound += slot.nbytes
+    versions.watch_slots(watched)
     if config.cost_mode == "calibrated":
         _calibrate(max((s for _, s in slots), key=lambda s: s.window.nbytes))
 

@@ -248,6 +248,16 @@ def register_slot(slot) -> None:
     torch.ops.torch_ce_native.register_slot(
         key, [int(p) for p in slot.peer_ptrs], w.rank, slot.nbytes,
         slot.dtype, list(slot.shape), w.group.group_name)
+    if slot.watch is not None:
+        watch_slot(slot)
+
+
+def watch_slot(slot) -> None:
+    """Mirror ``slot.watch`` (NOTE [the version net] in versions.py) into the C++ index:
+    the C++ gather checks the same counters and hands a stale bucket to Python."""
+    w = slot.watch
+    live = [t for t in (r() for r in w.refs) if t is not None]
+    torch.ops.torch_ce_native.watch_slot(int(slot.peer_ptrs[slot.window.rank]), live, bool(w.poison))
 
 
 def unregister(key: int) -> None:

@@ -15,13 +15,10 @@ drops the whole set (another graph runs in between: graph breaks, a different ba
 
 What it costs and assumes:
 - The parked outputs stay allocated between calls (FSDP's "do not reshard the root").
-- Weights are static while bound (the CE contract of inference graphs, DESIGN.md
-  "Decisions and why": "Inference graphs bind in place"). Changing
-  them takes: finish the reads (``torch.cuda.synchronize()``: the last call's prefetch
-  runs past its return), a barrier, the update on every rank, a barrier. A parked output
-  holds the values read at the end of the previous call: an update made through this
-  rank's shard moves its version counter and the set is dropped at the next gather; an
-  update made on a peer alone cannot be seen here, so call ``drop_prefetched()`` too.
+- Weights change only inside ``torch_ce.updating_weights`` (NOTE [updating bound weights]
+  in updates.py), which waits for the parked copies on the current stream and drops them
+  before its first fence; a parked weight changed outside it is refused by the version net
+  before it is used (NOTE [the version net] in versions.py).
 - Nothing is prefetched while a CUDA graph is captured, and a parked set is never handed to
   a capturing gather (a replay cannot re-run this bookkeeping): the capture gathers as usual.
 - Only bound members are prefetched: a member that fell back to the collective at run time
@@ -136,13 +133,19 @@ def take(shards: Sequence[torch.Tensor], group_name: str) -> dict[int, torch.Ten
     return {i: p.out for i, p in hits.items()}
 
 
-def drop(group_name: str | None = None) -> None:
-    """Forget parked outputs (of one group, or all): call after changing bound weights."""
+def drop(group_name: str | None = None, on_current_stream: bool = False) -> None:
+    """Forget parked outputs (of one group, or all). ``on_current_stream``: the current
+    stream waits for their copies first (``updating_weights``: its fence is then ordered
+    after them)."""
     with _lock:
         names = list(_parked) if group_name is None else [group_name]
         dropped = [p.out for n in names for p in _parked.pop(n, {}).values()]
         stats["dropped"] += len(dropped)
     _sync_native()
+    if on_current_stream:
+        for o in dropped:
+            if o.is_cuda:
+                torch.ops._c10d_functional.wait_tensor(o)
     _retire(dropped)
 
 

@@ -59,12 +59,11 @@ the fp32 sharded bytes with bf16); the bind record says how much (``cast_slot_by
 ``explain()``). ``config.cast_slots=False`` (``TORCH_CE_CAST_SLOTS=0``) turns it off: such
 gathers stay on the collective ("cast before gather").
 
-Weights that change: the slot was copied at bind, so a later in-place update of the fp32
-weight (``load_state_dict``, an optimizer step) would leave peers reading the old values.
-Each read compares the weight's version counter with the one at the copy and raises on a
-change (the version moves on every rank that updates its weight, so every rank raises;
-rebuild with ``torch_ce.release_all()`` and a fresh compile, or keep such models on the
-collective). A weight that a training graph stages is refused a cast slot (its staging slot
+Weights that change: the slot was copied at bind, so the fp32 weight changes only inside
+``torch_ce.updating_weights`` (NOTE [updating bound weights] in updates.py), whose exit
+refreshes the slot on the current stream between its fences; a write outside it that a
+version counter shows raises at the next read (NOTE [the version net] in versions.py).
+A weight that a training graph stages is refused a cast slot (its staging slot
 is refreshed by training forwards only, and an eval forward between steps must see this
 step's values): such gathers stay on the collective, on every rank alike.
 
@@ -80,6 +79,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import versions
 from . import windows as W
 
 log = logging.getLogger("torch_ce")
@@ -196,16 +196,6 @@ def run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, ref
             fence(groups)  # fence 2: every slot holds this step's values
 
 
-def _check_version(p: torch.Tensor, version: int, slot) -> None:
-    if p._version != version:
-        raise RuntimeError(
-            f"torch_ce: {slot.name or 'a weight'} changed in place after its cast slot was "
-            "made (NOTE [cast slots] in torch_ce/runtime/staging.py): peers would read the "
-            "old values. Inference graphs with mixed precision read a param_dtype copy made "
-            "once; after updating weights, call torch_ce.release_all() and compile again, "
-            "or set torch_ce.enable(cast_slots=False).")
-
-
 def staged_slots(params, dtypes, group_names, static=False) -> list[torch.Tensor]:
     """The staging slots of ``params`` (what the gathers read), after ``run_stage_step``
     (``static``: the cast slots)."""
@@ -216,7 +206,7 @@ def staged_slots(params, dtypes, group_names, static=False) -> list[torch.Tensor
             c = W.cast_slot(p, d)
             e = None if c is None else (c[0], c[1])
             if c is not None and isinstance(c[0], W.Slot):
-                _check_version(p, c[2], c[0])
+                versions.check(c[0])  # NOTE [the version net] in versions.py
         else:
             e = W.staged(p, d)
         if e is not None and isinstance(e[0], W.Slot):

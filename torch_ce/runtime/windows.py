@@ -96,6 +96,9 @@ class Slot:
     peer_views: list = dataclasses.field(default_factory=list)
     peer_ptrs: list = dataclasses.field(default_factory=list)
     ref: Any = None  # weakref to the bound tensor (NOTE [window lifetime])
+    # The version counters of the weight it holds (in place, padded or cast; not a training
+    # graph's staging slot, refreshed every step): NOTE [the version net] in versions.py.
+    watch: Any = None
 
     @property
     def group_size(self) -> int:
