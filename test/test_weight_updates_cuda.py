@@ -153,7 +153,7 @@ def test_protocol_captured_and_replayed(group):
         assert torch.equal(out, torch.cat([src, peer])), k
 
 
-def test_update_with_max_connections_one(group):
+def test_gather_inside_the_block_raises(group):
     """A gather inside the block raises (the watches are poisoned), then reads exactly."""
     import torch_ce
 
