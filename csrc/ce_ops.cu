@@ -660,6 +660,18 @@ bool watch_slot(int64_t key, at::TensorList watched, bool poisoned) {
   return true;
 }
 
+// How many of ``shards`` resolve to a stale slot: the lookups and checks resolve()
+// makes, alone (bench/version_net_cost.py times the net's share of a call with it).
+int64_t stale_count(at::TensorList shards) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  int64_t n = 0;
+  for (const auto& s : shards) {
+    auto it = g_slots.find(reinterpret_cast<uintptr_t>(s.data_ptr()));
+    if (it != g_slots.end() && it->second->stale()) ++n;
+  }
+  return n;
+}
+
 void unregister_slot(int64_t key) {
   std::lock_guard<std::mutex> lk(g_mu);
   g_slots.erase(static_cast<uintptr_t>(key));
@@ -729,6 +741,7 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("set_dim_strategy(int strategy) -> ()", &set_dim_strategy);
   m.def("dim_strategy() -> int", &dim_strategy);
   m.def("watch_slot(int key, Tensor[] watched, bool poisoned) -> bool");
+  m.def("stale_count(Tensor[] shards) -> int", &stale_count);
 }
 
 TORCH_LIBRARY_IMPL(torch_ce_native, CompositeImplicitAutograd, m) {

@@ -116,13 +116,14 @@ def test_update_between_cuda_graph_replays(group):
 
     p, peer, _ = _param(group)
     x = torch.randn(512, 64, device="cuda")
-    _gather(p, group)  # the copy streams and events exist before capture
+    _ = _gather(p, group) @ x  # the copy streams, events and cuBLAS handle exist before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = _gather(p, group) @ x
+    gen = torch.Generator(device="cuda").manual_seed(7)
     for k in range(3):
-        new = torch.randn_like(p._local_tensor)
+        new = torch.randn(p._local_tensor.shape, device="cuda", generator=gen)
         with _loopback_rounds(), torch_ce.updating_weights([p]):
             with torch.no_grad():
                 p._local_tensor.copy_(new)
@@ -146,8 +147,9 @@ def test_protocol_captured_and_replayed(group):
             with torch.no_grad():
                 p._local_tensor.copy_(src)
         out = _gather(p, group)
+    gen = torch.Generator(device="cuda").manual_seed(8)
     for k in range(3):
-        src.copy_(torch.randn_like(src))
+        src.copy_(torch.randn(src.shape, device="cuda", generator=gen))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, torch.cat([src, peer])), k
