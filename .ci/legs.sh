@@ -23,8 +23,9 @@
 #                                   (exit 124), a leg not yet started fails unrun
 
 # The fast subset: the build, the passes (goldens, rank independence, reorder), the
-# no-hang fuzz, the uneven shards and the zoo's default case.
-FAST_TESTS="test/test_build.py test/test_passes_golden.py test/test_dim1_golden.py test/test_dim1_passes.py test/test_rank_independent.py test/test_reorder.py test/test_no_hang.py test/test_uneven_host.py test/test_zoo_matrix.py"
+# no-hang fuzz, the uneven shards, the zoo's default case and weights that change (the
+# protocol leans on DTensor version-counter behaviour that may move between releases).
+FAST_TESTS="test/test_build.py test/test_passes_golden.py test/test_dim1_golden.py test/test_dim1_passes.py test/test_rank_independent.py test/test_reorder.py test/test_no_hang.py test/test_uneven_host.py test/test_zoo_matrix.py test/test_weight_updates_host.py"
 
 
 # name | what installs its torch (README: the README's own first command) | tests

@@ -112,6 +112,23 @@ magi.ce_prefetch([0.weight, 1.weight], 2, '0')
 %5 = _c10d_functional.wait_tensor(%4) -> aten.permute""")
         self.assertEqual(len(report.graphs[-1].prefetch["members"]), 2)  # which: the golden
 
+    def test_prefetch_after_the_last_padded_gather(self):
+        """The prefetch goes after the group's last launch of any form: a padded gather
+        after it would drop the parked set on every call (perf-notes section 21)."""
+        mlp = self.mlp((8, 16, 9, 5))  # 16 rows even, then 9 and 5 rows over 2: padded
+        g = self.compile_and_run(mlp, torch.randn(4, 8), transport="copy_engine",
+                                 prefetch_next_call_mib=1.0)
+        self.assertExpectedInline(g, """\
+magi.ce_bind([0.weight, 1.weight, 2.weight], [2, 2, 2], ['0', '0', '0'], ['0.weight', '1.weight', '2.weight'], ['', '', ''], [0, 5, 3])
+%0 = magi.ce_all_gather(0.weight, 2, '0')
+%1 = _c10d_functional.wait_tensor(%0) -> aten.permute
+%2 = magi.ce_all_gather_padded(1.weight, 5, 2, '0')
+%3 = _c10d_functional.wait_tensor(%2) -> aten.slice
+%4 = magi.ce_all_gather_padded(2.weight, 3, 2, '0')
+magi.ce_prefetch([0.weight], 2, '0')
+%5 = _c10d_functional.wait_tensor(%4) -> aten.slice""")
+        self.assertEqual(len(report.graphs[-1].prefetch["members"]), 1)  # which: the golden
+
     def test_prefetch_budget_below_first_bucket(self):
         g = self.compile_and_run(self.mlp(), torch.randn(4, 8), transport="copy_engine",
                                  prefetch_next_call_mib=100 / 2**20)

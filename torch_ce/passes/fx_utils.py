@@ -26,6 +26,19 @@ def is_ce_gather(n: fx.Node) -> bool:
     )
 
 
+def ce_launch_group(n: fx.Node) -> str | None:
+    """The group name of a CE gather launch of any form (plain, coalesced, over a dim,
+    padded), else None: every one of them takes from, or drops, its group's prefetched set."""
+    if n.op != "call_function":
+        return None
+    if n.target in (magi.ce_all_gather.default, magi.ce_all_gather_coalesced.default,
+                    magi.ce_all_gather_dim.default):
+        return n.args[2]
+    if n.target is magi.ce_all_gather_padded.default:
+        return n.args[3]
+    return None
+
+
 def find_op_nodes(graph: fx.Graph, target) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
 

@@ -3,7 +3,8 @@
 NOTE [cross-call prefetch] in torch_ce/runtime/prefetch.py says why and what it costs. After
 bucketing, the leading CE buckets of the graph's first CE group, in program order, are
 taken while their gathered bytes stay within ``config.prefetch_next_call_mib``; their shards
-go into one prefetch inserted right after the graph's last CE launch, so at run time its
+go into one prefetch inserted right after the group's last CE launch (padded and
+over-a-dim gathers included, which would otherwise drop the set), so at run time its
 copies queue behind this call's own gathers and run under its last compute. The reorder
 treats it as a launch like the gathers (it may move up, never ahead of an earlier launch).
 Graphs compiled for CUDA graphs get none.
@@ -66,7 +67,10 @@ def insert_prefetch(graph: fx.Graph, buckets: list[Bucket], cfg: Config) -> tupl
         return None, (f"the first CE bucket gathers {ce[0].nbytes * ce[0].members[0].group_size / 2**20:.1f} "
                       f"MiB > prefetch_next_call_mib {cfg.prefetch_next_call_mib:g}")
     shards = [m.shard for b in chosen for m in b.members]
-    with graph.inserting_after(_after_launch(ce[-1].node, pos)):
+    # After the group's last launch of any form: a later padded or dim gather of the group
+    # would find the set parked, take none of it, and drop it (NOTE [cross-call prefetch]).
+    last = max((n for n in graph.nodes if U.ce_launch_group(n) == group), key=lambda n: pos[n])
+    with graph.inserting_after(_after_launch(last, pos)):
         node = graph.call_function(U.magi.ce_prefetch.default,
                                    (shards, chosen[0].members[0].group_size, group))
     node.meta["val"] = None
