@@ -42,6 +42,12 @@ from mp_harness import run_ranks, seed_base, setup_compile  # noqa: E402
 DELAY = 2.0  # seconds rank 1 spends inside each update block before it writes
 LATE = 1
 ENV = {"TORCH_CE_COST_MODE": "default"}  # no calibration: seconds of timed gathers per rank
+ENV_MANY = {**ENV, "TORCH_CE_BIND_ARRIVAL_TIMEOUT_S": "240"}  # 3-4 ranks compiling on 2 cores
+
+
+def _compared(label, key, got, want) -> tuple:
+    """One call's record: (label, key, bit-exact?, max abs difference)."""
+    return label, key, bool(torch.equal(got, want)), float((got - want).abs().max())
 
 
 class _Chain(torch.nn.Module):
@@ -175,7 +181,7 @@ def _rank_methods(rank, world, seed, root):
                 for _ in range(n):
                     x = torch.randn(3, models[k].layers[0].in_features, generator=gen).to(dtypes[k])
                     y, ref = c(x), _eager(fulls[k], x)
-                    res["calls"].append((label, k, bool(torch.equal(y, ref)), float((y - ref).abs().max())))
+                    res["calls"].append(_compared(label, k, y, ref))
 
         def raised(label, fn, *exc):
             try:
@@ -334,7 +340,7 @@ def _rank_uneven(rank, world, seed, root):
                 for _ in range(n):
                     x = torch.randn(2, UNEVEN[k][0], generator=gen).to(dtypes[k])
                     y, ref = c(x), _eager(fulls[k], x)
-                    res["calls"].append((label, k, bool(torch.equal(y, ref)), float((y - ref).abs().max())))
+                    res["calls"].append(_compared(label, k, y, ref))
             res["stats"].append((label, dict(prefetch.stats)))
 
         with torch.no_grad():
@@ -359,7 +365,7 @@ def _rank_uneven(rank, world, seed, root):
 
 def test_uneven_world3_with_prefetch(tmp_path):
     res = run_ranks(_rank_uneven, 3, seed_base(), str(tmp_path.resolve()), timeout=600,
-                    env={**ENV, "TORCH_CE_BIND_ARRIVAL_TIMEOUT_S": "240"})
+                    env=ENV_MANY)
     for rank, r in enumerate(res):
         _assert_exact(rank, r["calls"])
         assert r["bound"] == ["bound"] * 7, (rank, r["bound"])  # every weight on the copy engines
@@ -425,14 +431,13 @@ def _rank_moe(rank, world, seed, root):
                 ref_net.load_state_dict(nets[phase].state_dict())
             for i, (t, got) in enumerate(zip(toks, got_phase, strict=True)):
                 want = ref(t[:, :-1])
-                res["calls"].append((f"phase {phase}", i, bool(torch.equal(got, want)),
-                                     float((got - want).abs().max())))
+                res["calls"].append(_compared(f"phase {phase}", i, got, want))
     return res
 
 
 def test_moe_experts_on_their_own_mesh(tmp_path):
     res = run_ranks(_rank_moe, 4, seed_base(), str(tmp_path.resolve()), timeout=600,
-                    env={**ENV, "TORCH_CE_BIND_ARRIVAL_TIMEOUT_S": "240"})
+                    env=ENV_MANY)
     for rank, r in enumerate(res):
         _assert_exact(rank, r["calls"])
         assert len(r["calls"]) == 6, r["calls"]
