@@ -103,7 +103,7 @@ def main():
         res["exact"].append(bool(torch.equal(out, torch.cat([peer, mine]))))
         res["digests"].append(digest(out))
     outs = torch.ops.magi.ce_all_gather_coalesced(shards, 2, name)
-    for o, (m, p_) in zip(outs, keep):
+    for o, (m, p_) in zip(outs, keep, strict=True):
         o = torch.ops._c10d_functional.wait_tensor(o)
         res["exact"].append(bool(torch.equal(o, torch.cat([p_, m]))))
         res["digests"].append(digest(o))

@@ -90,7 +90,7 @@ def main() -> None:
     cpp = a.device == "cuda" and native.loaded()
     off = per_call_us()
     c_off = check_us() if cpp else None
-    versions.watch_slots([(s, p._local_tensor, s.name, [p]) for s, (p, _) in zip(slots, params)])
+    versions.watch_slots([(s, p._local_tensor, s.name, [p]) for s, (p, _) in zip(slots, params, strict=True)])
     on = per_call_us()
     c_on = check_us() if cpp else None
     if cpp:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import sys
 import time
 import types
@@ -85,9 +86,11 @@ def _stand_in(name: str) -> None:
         sys.modules[name] = m
 
 
-def prepare() -> None:
+def prepare(register: bool = True) -> None:
     """Make graph_trainer importable and runnable on this CPU install (module docstring);
-    call before importing anything of torchtitan's."""
+    call before importing anything of torchtitan's. ``register``: import
+    torch_ce.integrations.torchtitan (registers its pipelines); False leaves registration to
+    ``torch_ce.enable()`` (integrations/import_hook.py)."""
     for pkg, mods in (("torchdata", ("torchdata", "torchdata.stateful_dataloader")),
                       ("tokenizers", ("tokenizers",)),
                       ("datasets", ("datasets", "datasets.distributed")),
@@ -106,7 +109,8 @@ def prepare() -> None:
     import torchtitan.experiments.graph_trainer.passes  # noqa: F401
     import torchtitan.experiments.graph_trainer.trainer  # noqa: F401
 
-    import torch_ce.integrations.torchtitan  # noqa: F401  (registers the "torch_ce" pipeline)
+    if register:
+        import torch_ce.integrations.torchtitan  # noqa: F401  (registers the "torch_ce" pipeline)
 
 
 def importable() -> str | None:
@@ -117,8 +121,8 @@ def importable() -> str | None:
 
 
 def too_old_torch() -> str | None:
-    """torchtitan 0.3.0's graph_trainer imports torch internals that torch 2.11 lacks (torch
-    >= 2.12 has them); asked of this torch itself, not of its version number."""
+    """The torch internals torchtitan 0.3.0's graph_trainer imports that this torch lacks
+    (torch 2.11 lacks both), asked of this torch itself, not of its version number."""
     import torch.distributed.fsdp as fsdp
 
     missing = [n for n, ok in (
@@ -126,8 +130,8 @@ def too_old_torch() -> str | None:
          _has_module("torch._functorch._activation_offloading.offload_ops")),
         ("torch.distributed.fsdp.DataParallelMeshDims", hasattr(fsdp, "DataParallelMeshDims"))) if not ok]
     if missing:
-        return (f"torchtitan 0.3.0's graph_trainer needs torch >= 2.12; torch {torch.__version__} "
-                f"lacks {', '.join(missing)}")
+        return (f"torchtitan 0.3.0's graph_trainer imports what torch {torch.__version__} lacks: "
+                f"{', '.join(missing)}")
     return None
 
 
@@ -252,11 +256,39 @@ def gathers_left(gm) -> list[str]:
             if n.op == "call_function" and any(t in str(n.target) for t in GATHER_TARGETS)]
 
 
+class LogLines(logging.Handler):
+    """The ``torch_ce`` logger's records of INFO and above while in use, as (level, text)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[tuple[str, str]] = []
+
+    def emit(self, record):
+        self.lines.append((record.levelname, record.getMessage()))
+
+    def __enter__(self):
+        lg = logging.getLogger("torch_ce")
+        self._level = lg.level
+        lg.addHandler(self)
+        lg.setLevel(min(lg.getEffectiveLevel(), logging.INFO))
+        return self
+
+    def __exit__(self, *exc):
+        lg = logging.getLogger("torch_ce")
+        lg.removeHandler(self)
+        lg.setLevel(self._level)
+
+
+TRAINS_THROUGH = "graph_trainer trains through the 'torch_ce' pass pipeline"
+
+
 def one_run(family, pdims, world, rank, seed, *, mode, pipeline, enable=False, experts=4,
-            param_dtype="bfloat16", layers=2, disable=()) -> dict:
-    """Build, trace, pass, and train ``STEPS`` steps: losses, the gathers left in the final
-    FX graph, explain()'s coverage of this run, the seconds it took. ``disable``: more
-    graph_trainer passes to leave out (``--compile.disable_passes``)."""
+            param_dtype="bfloat16", layers=2, disable=(), steps=STEPS, setup=None) -> dict:
+    """Build, trace, pass, and train ``steps`` steps: losses, the gathers left in the final
+    FX graph, explain()'s coverage of this run, torch_ce's log lines (``log``), the seconds
+    it took. ``disable``: more graph_trainer passes to leave out
+    (``--compile.disable_passes``); ``setup(cfg, pdims)``: more changes to the config (and
+    the parallel dims) before the trainer is built."""
     import torch.distributed as dist
     import torch_ce
     from torch_ce import report
@@ -266,13 +298,16 @@ def one_run(family, pdims, world, rank, seed, *, mode, pipeline, enable=False, e
     report.clear()
     if enable:
         torch_ce.enable(transport="copy_engine")
+    lines = LogLines().__enter__()
     try:
         cfg = graph_trainer_config(family, mode=mode, pipeline=pipeline, experts=experts,
                                    param_dtype=param_dtype, layers=layers)
         cfg.compile.disable_passes = [*cfg.compile.disable_passes, *disable]
+        if setup is not None:
+            setup(cfg, pdims)
         tr, net = build_trainer(cfg, pdims, seed)
-        losses = train(tr, net, batches(cfg.model_spec.model.vocab_size, world, rank, seed), world)
-        gm = tr._traced_step.gm
+        losses = train(tr, net, batches(cfg.model_spec.model.vocab_size, world, rank, seed, steps), world)
+        gm = tr._traced_step.gm if tr._traced_step is not None else None  # jit: no traced step
         left = gathers_left(gm) if isinstance(gm, torch.fx.GraphModule) else None
         captured = getattr(getattr(gm, "forward", None), "_cudagraph", None) is not None
         e = torch_ce.explain()
@@ -287,8 +322,9 @@ def one_run(family, pdims, world, rank, seed, *, mode, pipeline, enable=False, e
         return dict(losses=losses, left=left, share=cov.total.share, ce_bytes=cov.total.ce_bytes,
                     collective_bytes=cov.total.collective_bytes, by_reason=dict(cov.total.by_reason),
                     graphs=len(e.graphs), names=names, table=e.table(), seconds=time.monotonic() - t0,
-                    placements=placements, captured=captured, cpu_seconds=cpu)
+                    placements=placements, captured=captured, cpu_seconds=cpu, log=list(lines.lines))
     finally:
+        lines.__exit__(None, None, None)
         if enable:
             torch_ce.disable()
         dist.barrier()  # peers may still read this rank's staging slots
@@ -336,14 +372,14 @@ def register_misclassified_pipeline(seen: dict) -> None:
     per-weight gathers) and ``_misclassified_pass`` where Inductor would get the graph."""
     import functools
 
-    from torch_ce.integrations import torchtitan as tt
+    from torch_ce.integrations import graph_trainer_api as G, torchtitan as tt
     from torchtitan.experiments.graph_trainer import registry
     from torchtitan.experiments.graph_trainer.passes import construct_default_graph_passes
 
     def pipeline(traced_result, config, *, parallel_dims=None):
         passes = [p for p in construct_default_graph_passes(traced_result, config, parallel_dims=parallel_dims)
-                  if tt._pass_name(p) != tt._BUCKETING]
+                  if tt._pass_name(p) != G.BUCKETING]
         ours = functools.partial(_misclassified_pass, facts=tt.joint_facts(traced_result), seen=seen)
-        return tt._insert(passes, ours)
+        return tt._before_terminal(passes, ours)
 
     registry.register_pass_pipeline(MISCLASSIFIED)(pipeline)

@@ -47,14 +47,14 @@ def ce_trace():
         _x("cuda_runtime", "cudaMemcpyBatchAsync", 45, 2, correlation=102),
         _gpu("gpu_memcpy", "Memcpy PtoP (Device -> Device)", 300, 100, 20, 102, bytes=30 * MB),
         _x("cpu_op", "aten::mm", 0, 900),  # not a gather
-        *_kernels(zip(NAMES, [30, 50, 100, 30]), launches=[50, 70, 80, 600], starts=[60, 310, 405, 610]),
+        *_kernels(zip(NAMES, [30, 50, 100, 30], strict=True), launches=[50, 70, 80, 600], starts=[60, 310, 405, 610]),
     ]
 
 
 def bound_trace():
     """The same kernels without communication; gemm_qkv takes 40 us instead of 50."""
     return [_x("user_annotation", "torch_ce_iter0", 0, 500),
-            *_kernels(zip(NAMES, [30, 40, 100, 30]), launches=[1, 2, 3, 4])]
+            *_kernels(zip(NAMES, [30, 40, 100, 30], strict=True), launches=[1, 2, 3, 4])]
 
 
 def test_ce_account_by_hand():

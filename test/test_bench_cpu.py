@@ -256,7 +256,7 @@ def test_plot_scaling(tmp_path, capsys):
     _ops_json(tmp_path / "run6_ops_h200_w8.json", 8, {1: dict(ce1=1.0)})  # an old run: left out
     (tmp_path / "ops_h200_w8.json").write_text(json.dumps(dict(world_size=8, sizes=[dict(mib=1, errors={"x": "y"})])))
     lines = scaling.series(scaling.load(str(tmp_path), "h200"))
-    got = {(ln["world"], ln["transport"]): list(zip(ln["mib"], ln["gbps"])) for ln in lines}
+    got = {(ln["world"], ln["transport"]): list(zip(ln["mib"], ln["gbps"], strict=True)) for ln in lines}
     assert got == {(2, "nccl"): [(1, 51.0), (64, 230.0)], (2, "ce1"): [(1, 67.0), (64, 337.0)],
                    (4, "nccl"): [(1, 79.0), (64, 303.0)], (4, "ce1"): [(1, 152.0), (64, 340.0), (256, 350.0)],
                    (4, "ce1_fixed"): [(1, 140.0), (64, 224.0)]}

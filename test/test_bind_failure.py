@@ -33,7 +33,7 @@ def _weights(rank: int) -> list[torch.Tensor]:
 def _check_rolled_back(ws, originals) -> None:
     from torch_ce.runtime import windows as W
 
-    for w, o in zip(ws, originals):
+    for w, o in zip(ws, originals, strict=True):
         assert W.lookup(w) is None, "a shard stayed registered after a failed bind"
         assert torch.equal(w, o), "a shard's values changed in a failed bind"
         w.add_(0)  # its storage is writable and alive
@@ -159,7 +159,7 @@ def _rank_compiled(rank: int, world: int, cache_root: str) -> dict:
         with pytest.raises(Exception) as err:
             compiled(x)
         binding._move_into_slots = real
-        for p, o in zip((model.a, model.b), originals):
+        for p, o in zip((model.a, model.b), originals, strict=True):
             assert W.lookup(p._local_tensor) is None and torch.equal(p._local_tensor, o)
         got = compiled(x)  # the bind step runs again, now without the failure
         bound = [isinstance(W.lookup(p._local_tensor), W.Slot) for p in (model.a, model.b)]

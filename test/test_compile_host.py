@@ -63,7 +63,7 @@ def _run(rank, world, cache_root, seed):
             bound=[type(e).__name__ for e in entries],
             in_window=[e.window.local.untyped_storage().data_ptr() <= m.parametrizations.weight.original._local_tensor.data_ptr()
                        < e.window.local.untyped_storage().data_ptr() + e.window.nbytes
-                       if isinstance(e, W.Slot) else False for e, m in zip(entries, linears)],
+                       if isinstance(e, W.Slot) else False for e, m in zip(entries, linears, strict=True)],
             cache_hits=counters["inductor"]["fxgraph_cache_hit"],
             counters={k: dict(v) for k, v in counters.items()},
             binds=[len(b.bound) for b in torch_ce.report.binds],

@@ -89,10 +89,10 @@ def _loop_exact(rank, world):
                                                _expected(m, p, d, pos)))
                 exp = [_expected(m, p, d, pos) for m, p, d in pairs]
                 res[f"{strategy}_pos{pos}_split{int(split)}"] = dict(
-                    native=[bool(torch.equal(a, b)) for a, b in zip(got, exp)],
-                    python=[bool(torch.equal(a, b)) for a, b in zip(back, exp)],
+                    native=[bool(torch.equal(a, b)) for a, b in zip(got, exp, strict=True)],
+                    python=[bool(torch.equal(a, b)) for a, b in zip(back, exp, strict=True)],
                     ordered=ordered,
-                    shapes=[tuple(a.shape) == tuple(b.shape) for a, b in zip(got, exp)])
+                    shapes=[tuple(a.shape) == tuple(b.shape) for a, b in zip(got, exp, strict=True)])
     native.set_split_local_copy(True)
     res["strategy_after"] = native.dim_strategy()
     try:
@@ -149,7 +149,7 @@ def _loop_graph(rank, world):
         exp = [_expected(m, p, d, 1) * 2 for m, p, d in pairs]
         g.replay()
         torch.cuda.synchronize()
-        res[f"replay{trial}"] = [bool(torch.equal(o.cpu(), e)) for o, e in zip(static, exp)]
+        res[f"replay{trial}"] = [bool(torch.equal(o.cpu(), e)) for o, e in zip(static, exp, strict=True)]
     return res
 
 

@@ -74,7 +74,7 @@ class Dim1GoldenTest(TestCase):
 
     def experts(self, dims=(1, 1)):
         m = Experts()
-        for name, d in zip(("w1", "w2"), dims):
+        for name, d in zip(("w1", "w2"), dims, strict=True):
             w = getattr(m, name)
             setattr(m, name, nn.Parameter(distribute_tensor(w.data, self.mesh, [Shard(d)]), requires_grad=False))
             P.register_parametrization(m, name, Gather(), unsafe=True)

@@ -36,7 +36,7 @@ import pytest
 import testenv
 import torch
 
-pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
+pytest.importorskip("torchtitan")  # its modules then import, or the file fails loudly
 
 from mp_harness import run_ranks, seed_base, setup_compile  # noqa: E402
 
@@ -113,8 +113,8 @@ def _rank_experts(rank, world, cache_dir, seed):
         finally:
             torch_ce.release_all()
         out[case] = dict(
-            exact=[torch.equal(a, b) for a, b in zip(outs, ref)],
-            max_diff=max(float((a - b).abs().max()) for a, b in zip(outs, ref)),
+            exact=[torch.equal(a, b) for a, b in zip(outs, ref, strict=True)],
+            max_diff=max(float((a - b).abs().max()) for a, b in zip(outs, ref, strict=True)),
             dim_calls=len(DIM_CALL.findall(code)), ref_dim_calls=len(DIM_CALL.findall(ref_code)),
             rows={w.param: w.status for w in e.weights}, table=e.table())
     return out
@@ -231,7 +231,7 @@ def _rank_moe(rank, world, cache_dir, seed):
         outs, code, e = _compiled(model, xs, transport="copy_engine", symm_min_shard_mib=0)
     finally:
         torch_ce.release_all()
-    return dict(exact=[torch.equal(a, b) for a, b in zip(outs, ref)],
+    return dict(exact=[torch.equal(a, b) for a, b in zip(outs, ref, strict=True)],
                 dim1=sorted(n for n, pl in placements.items() if pl == (Shard(1),)),
                 dim_calls=len(DIM_CALL.findall(code)),
                 rows={w.param: w.status for w in e.weights}, table=e.table())
@@ -361,7 +361,7 @@ def _rank_world4(rank, world, cache_dir, seed):
         outs, code, e = _compiled(model, xs, transport="copy_engine", symm_min_shard_mib=0)
     finally:
         torch_ce.release_all()
-    return dict(exact=[torch.equal(a, b) for a, b in zip(outs, ref)], dim_calls=len(DIM_CALL.findall(code)),
+    return dict(exact=[torch.equal(a, b) for a, b in zip(outs, ref, strict=True)], dim_calls=len(DIM_CALL.findall(code)),
                 rows={w.param: w.status for w in e.weights}, table=e.table())
 
 

@@ -108,7 +108,7 @@ def _compiled_disagreement(rank, ws, cache_root):
     recs = report.graphs[n_graphs:]
     binds = report.binds[n_binds:]
     return dict(
-        exact=[torch.equal(a, b) for o, e in ((out0, eager[0]), (out1, eager[1])) for a, b in zip(o, e)],
+        exact=[torch.equal(a, b) for o, e in ((out0, eager[0]), (out1, eager[1])) for a, b in zip(o, e, strict=True)],
         compile_bound=sum(len(g.bound) for g in recs),
         compile_refused=[r["reason"] for g in recs for r in g.refused],
         ce_calls=_calls(code, "torch.ops.magi.ce_all_gather"),
@@ -135,7 +135,7 @@ def _bind_api_disagreement(rank, ws, base):
     res = torch_ce.bind([a, b] if rank == 0 else [b, a], group=world)
     out["order"] = dict(bound=res.bound, skipped=res.skipped, kinds=[_kind(a), _kind(b)],
                         exact=[torch.equal(_ce(a), refs[0]), torch.equal(_ce(b), refs[1])]
-                        + [torch.equal(o, r) for o, r in zip(_ce_n([a, b]), refs)])
+                        + [torch.equal(o, r) for o, r in zip(_ce_n([a, b]), refs, strict=True)])
 
     # Shape / dtype at position 1 differ on rank 1; positions 0 and 2 agree and bind.
     c0 = torch.randn(4, 4, generator=gen)
@@ -154,7 +154,7 @@ def _bind_api_disagreement(rank, ws, base):
     refs = [_ref_gather(t) for t in e[:2]]
     res = torch_ce.bind(e, group=world)
     out["count"] = dict(bound=res.bound, skipped=res.skipped, kinds=[_kind(t) for t in e],
-                        exact=[torch.equal(_ce(t), r) for t, r in zip(e[:2], refs)])
+                        exact=[torch.equal(_ce(t), r) for t, r in zip(e[:2], refs, strict=True)])
 
     # Binding the same lists again is a no-op on every rank: no collective, no hang.
     res = torch_ce.bind([c0, c1, c2], group=world)
@@ -374,7 +374,7 @@ def _one_trial(rank, ws, seed, world_mesh, pair_mesh) -> dict:
     if ws_idx:
         ts = [mine[i][0]._local_tensor for i in ws_idx]
         refs = [_ref_gather(t) for t in ts]
-        for i, o, r in zip(ws_idx, _ce_n(ts), refs):
+        for i, o, r in zip(ws_idx, _ce_n(ts), refs, strict=True):
             if not torch.equal(o, r):
                 problems.append(f"shard {i}: coalesced gather differs")
     # Binding again moves nothing and needs no collective.

@@ -151,7 +151,7 @@ def _rank(rank, ws, seed, cache_root):
     out = []
     torch_ce.enable(transport="copy_engine")
     try:
-        for i, (model, x) in enumerate(zip(models, inputs)):
+        for i, (model, x) in enumerate(zip(models, inputs, strict=True)):
             with torch.no_grad():
                 eager = model(x)
                 got = torch.compile(model, fullgraph=True)(x)
@@ -161,7 +161,7 @@ def _rank(rank, ws, seed, cache_root):
             e = torch_ce.explain()  # the call that raised "'module' object is not callable"
             # Reference per weight: where the registry says its local shard lives.
             where = {}
-            for name, (pn, p) in zip(_param_names(model), model.named_parameters()):
+            for name, (pn, p) in zip(_param_names(model), model.named_parameters(), strict=True):
                 slot = W.lookup(p._local_tensor)
                 where[name] = (type(slot).__name__, getattr(slot, "window", None) and slot.window.index,
                                getattr(slot, "offset", None), p._local_tensor.nbytes)

@@ -40,10 +40,10 @@ import types
 import pytest
 import torch
 
-pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
+pytest.importorskip("torchtitan")
 import graph_trainer_harness as H  # noqa: E402
 
-if H.importable():  # torch 2.11: graph_trainer itself does not import
+if H.importable():  # a torch feature torchtitan's graph_trainer imports is absent (named)
     pytest.skip(H.importable(), allow_module_level=True)
 
 from mp_harness import run_ranks, seed_base  # noqa: E402
@@ -135,7 +135,7 @@ def case_failures(results, case) -> list[str]:
             ref = r["runs"][(*case, "default unbucketed")]
         if len(ce["losses"]) != H.STEPS:
             bad.append(f"rank {rank}: {len(ce['losses'])} losses")
-        for i, (a, b) in enumerate(zip(ref["losses"], ce["losses"])):
+        for i, (a, b) in enumerate(zip(ref["losses"], ce["losses"], strict=True)):
             if not torch.equal(a, b):
                 bad.append(f"rank {rank} step {i}: loss {float(b)!r} != default pipeline's {float(a)!r}")
         if len({float(x) for x in ref["losses"]}) < 2:
@@ -145,6 +145,10 @@ def case_failures(results, case) -> list[str]:
                        f"({ce['graphs']} graph(s)): {ce['by_reason']}")
         if case[1] == "regional" and (not ref["left"] or ce["left"]):
             bad.append(f"rank {rank}: weight gathers left: default {len(ref['left'] or [])}, torch_ce {ce['left']}")
+        said = [t for _, t in ce["log"] if H.TRAINS_THROUGH in t]
+        if len(said) != 1 or "% of" not in said[0] or any(H.TRAINS_THROUGH in t for _, t in ref["log"]):
+            bad.append(f"rank {rank}: the line {H.TRAINS_THROUGH!r} said {len(said)} time(s) by torch_ce's run "
+                       f"({said}), and by the default pipeline's: {any(H.TRAINS_THROUGH in t for _, t in ref['log'])}")
         if set(ce["names"]) != set(ce["placements"]):
             bad.append(f"rank {rank}: explain() names {ce['names']}, the parameters {sorted(ce['placements'])}")
     if bad:
@@ -186,7 +190,7 @@ def test_default_pipeline_reports_the_option(results):
         assert c["ce_bytes"] == 0 and c["collective_bytes"] == ce["ce_bytes"] > 0, (c, ce["ce_bytes"])
         assert list(c["by_reason"]) == [next(iter(c["by_reason"]))] and OPTION in next(iter(c["by_reason"])), c
         assert "100.0% of 0" not in c["table"] and "0.0% of" in c["table"], c["table"]
-        assert all(torch.equal(a, b) for a, b in zip(ref["losses"], c["losses"])), (rank, c["losses"])
+        assert all(torch.equal(a, b) for a, b in zip(ref["losses"], c["losses"], strict=True)), (rank, c["losses"])
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -206,7 +210,7 @@ def test_joint_graph_taken_for_inference_stays_training(results, dtype):
         assert after["binds"] == 0 and after["stages"] == 1, after
         assert after["refresh"] == [True] and after["static"] == [False], after
         assert after["ce_gathers"] > 0 and after["plain_gathers"] == 0, after
-        for i, (a, b) in enumerate(zip(m["ref"], m["losses"])):
+        for i, (a, b) in enumerate(zip(m["ref"], m["losses"], strict=True)):
             assert torch.equal(a, b), f"rank {rank} step {i}: {float(a)!r} != {float(b)!r}"
 
 
@@ -363,3 +367,164 @@ def test_joint_graph_detection():
     assert census.is_joint_graph(graph("fsdp"))
     assert not census.is_joint_graph(graph("tp"))
     assert census.is_joint_graph(graph("tp", backward=True))
+
+
+# ---------------------------------------------------------------------------------------
+# A changed partner fails loudly (integrations/graph_trainer_api.py)
+# ---------------------------------------------------------------------------------------
+
+
+def _default_passes(monkeypatch, change):
+    """graph_trainer's ``construct_default_graph_passes`` with ``change(list) -> list``
+    applied to what it builds."""
+    from torchtitan.experiments.graph_trainer import passes as gt_passes
+
+    real = gt_passes.construct_default_graph_passes
+    monkeypatch.setattr(gt_passes, "construct_default_graph_passes",
+                        lambda *a, **k: change(real(*a, **k)))
+
+
+def _renamed(passes, old, new):
+    """The list with the pass named ``old`` renamed ``new`` (a torchtitan release's rename)."""
+    import functools
+
+    out = []
+    for p in passes:
+        fn = p.func if isinstance(p, functools.partial) else p
+        if fn.__name__ == old:
+            def renamed(gm, example_inputs, _fn=fn, **kw):
+                return _fn(gm, example_inputs, **kw)
+
+            renamed.__name__ = new
+            p = functools.partial(renamed, **p.keywords) if isinstance(p, functools.partial) else renamed
+        out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("change", ["removed", "renamed"])
+def test_missing_anchor_pass_is_an_error(titan, monkeypatch, change):
+    from torchtitan.experiments.graph_trainer.llama3.config_registry import graph_trainer_llama3_debugmodel
+
+    from torch_ce.integrations import graph_trainer_api as G
+
+    def edit(passes):
+        for anchor in G.ANCHORS:
+            passes = ([p for p in passes if titan._pass_name(p) != anchor] if change == "removed"
+                      else _renamed(passes, anchor, anchor.replace("_pass", "_v2_pass")))
+        return passes
+
+    _default_passes(monkeypatch, edit)
+    cfg = graph_trainer_llama3_debugmodel()
+    with pytest.raises(G.PartnerChanged, match="joint_transformer_block_bucketing_reordering_pass") as e:
+        titan.torch_ce_graph_passes(_traced(cfg), cfg)
+    assert f"torchtitan {G.torchtitan_version()}" in str(e.value) and "torchtitan 0.3.0" in str(e.value)
+    assert "selective_activation_remat_pass" in str(e.value)  # the list it found
+
+
+def test_renamed_inductor_pass_is_an_error(titan, monkeypatch):
+    from torchtitan.experiments.graph_trainer.llama3.config_registry import graph_trainer_llama3_debugmodel
+
+    from torch_ce.integrations import graph_trainer_api as G
+
+    _default_passes(monkeypatch, lambda ps: _renamed(ps, "regional_inductor_pass", "regional_compile_pass"))
+    cfg = graph_trainer_llama3_debugmodel()
+    with pytest.raises(G.PartnerChanged, match="regional_inductor_pass"):
+        titan.torch_ce_graph_passes(_traced(cfg), cfg)
+    cfg.compile.pass_pipeline = "default"
+    import torch_ce
+
+    torch_ce.enable(transport="copy_engine")
+    try:
+        with pytest.raises(G.PartnerChanged, match="regional_compile_pass"):
+            titan.default_graph_passes(_traced(cfg), cfg)
+    finally:
+        torch_ce.disable()
+
+
+def test_missing_bucket_plan_is_said(titan, monkeypatch, caplog):
+    import functools
+    import logging
+
+    from torchtitan.experiments.graph_trainer.llama3.config_registry import graph_trainer_llama3_debugmodel
+
+    from torch_ce.integrations import graph_trainer_api as G
+
+    def no_plan(passes):
+        return [functools.partial(p.func, **{k: v for k, v in p.keywords.items() if k != G.BUCKET_PLANS})
+                if titan._pass_name(p) == G.BUCKETING else p for p in passes]
+
+    _default_passes(monkeypatch, no_plan)
+    cfg = graph_trainer_llama3_debugmodel()
+    with caplog.at_level(logging.WARNING, logger="torch_ce"):
+        names = [titan._pass_name(p) for p in titan.torch_ce_graph_passes(_traced(cfg), cfg)]
+    assert "torch_ce_pass" in names and "torch_ce_launch_pass" in names, names
+    said = [r.getMessage() for r in caplog.records if G.BUCKET_PLANS in r.getMessage()]
+    assert len(said) == 1 and G.BUCKETING in said[0] and G.torchtitan_version() in said[0], caplog.text
+
+
+@pytest.mark.parametrize("gone", ["common_utils._get_module_fqn", "common_utils._is_backward_node",
+                                  "passes._get_pass_name", "make_fx_tracer.SubclassLayout.meta"])
+def test_mirrored_names_are_checked_at_registration(titan, monkeypatch, gone):
+    import dataclasses
+    import importlib
+
+    from torch_ce.integrations import graph_trainer_api as G
+
+    mod, _, name = gone.partition(".")
+    m = importlib.import_module(f"{G.GT}.{mod}")
+    if name.endswith(".meta"):  # a field renamed
+        @dataclasses.dataclass
+        class SubclassLayout:
+            num_tensors: int
+            subclass_meta: object
+
+        monkeypatch.setattr(m, "SubclassLayout", SubclassLayout)
+        expect = "['meta'] in make_fx_tracer.SubclassLayout"
+    else:
+        monkeypatch.delattr(m, name)
+        expect = f"has no {gone}"
+    G.partner.cache_clear()
+    monkeypatch.setattr(titan, "_registered", False)
+    try:
+        with pytest.raises(G.PartnerChanged, match=expect.replace("[", r"\[").replace("]", r"\]")) as e:
+            titan.register()
+        assert f"torchtitan {G.torchtitan_version()}" in str(e.value)
+    finally:
+        monkeypatch.undo()
+        G.partner.cache_clear()
+    assert G.partner().pass_name is importlib.import_module(f"{G.GT}.passes")._get_pass_name
+
+
+def test_every_family_is_reachable(titan):
+    """Every graph_trainer family with a config registry, muse_glimmer included, through
+    ``--module torch_ce.integrations.torchtitan``."""
+    import importlib
+
+    from torchtitan.config import ConfigManager
+
+    from torch_ce.integrations import graph_trainer_api as G
+
+    fams = G.families()
+    assert {"llama3", "qwen3", "deepseek_v3", "muse_glimmer"} <= set(fams), fams
+    for fam in fams:
+        reg = importlib.import_module(f"{G.GT}.{fam}.config_registry")
+        # its debug model, the shortest name (its variants may need torchao, absent here)
+        names = sorted((n for n in vars(reg) if n.startswith(f"graph_trainer_{fam}_debugmodel")
+                        and callable(getattr(reg, n))), key=len)
+        assert names, fam
+        cfg = ConfigManager().parse_args(["--module", "torch_ce.integrations.torchtitan", "--config", names[0]])
+        assert cfg.compile.pass_pipeline == "torch_ce", (fam, names[0])
+        assert type(cfg).__qualname__ == "GraphTrainer.Config", (fam, type(cfg))
+
+
+def test_out_of_process_fx_compile_is_refused(titan, monkeypatch):
+    import torch._inductor.compile_fx as cf
+    from torchtitan.experiments.graph_trainer.llama3.config_registry import graph_trainer_llama3_debugmodel
+
+    monkeypatch.setenv("TORCHINDUCTOR_FX_COMPILE_MODE", "subprocess")
+    monkeypatch.setattr(cf, "fx_compile_mode", cf.FxCompileMode.SUBPROCESS)
+    cfg = graph_trainer_llama3_debugmodel()
+    with pytest.raises(RuntimeError, match="compiles FX graphs in a subprocess"):
+        titan.torch_ce_graph_passes(_traced(cfg), cfg)
+    with pytest.raises(RuntimeError, match="Unset TORCHINDUCTOR_FX_COMPILE_MODE"):
+        titan.post_init(types.SimpleNamespace(config=cfg))

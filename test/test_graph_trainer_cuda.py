@@ -13,15 +13,19 @@ later one replays. What a torch_ce step graph holds at its head and around each 
   itself, on an NCCL group of one rank (the fences are NCCL all_reduces, as on a real
   mesh). Between calls the "optimizer" writes the weight in place and the "peer" writes its
   slot; every call, captured or replayed, must gather exactly ``cat(weight in bf16, peer)``
-  and leave the refreshed slot equal to the new weight: a replay re-runs the refresh and the
-  reads, and no host-side decision is skipped. It runs on torch 2.11 too (the GPU
-  machine's): only the wrapper's ``enable_annotations`` keyword, off, is given to 2.11's
-  ``torch.cuda.graph``.
+  and leave the refreshed slot equal to the new weight. Each call runs under a dispatch
+  recorder: the warm-up and the capture dispatch ``ce_stage`` and
+  ``ce_all_gather_coalesced``, a replay dispatches no magi op at all, and is still exact on
+  the new weight and the new peer slot: the stage step's refresh and the gather's copies
+  are in the captured graph, and no host-side decision is skipped. It runs on torch 2.11
+  too (the GPU machine's): only the wrapper's ``enable_annotations`` keyword, off, is given
+  to 2.11's ``torch.cuda.graph``.
 - ``test_graph_trainer_step_with_cudagraph_pass``: graph_trainer's step (Llama3 debug
   config, CPU-sized, world 1) with the torch_ce pipeline and ``cudagraph_pass`` on, against
   the default pipeline: the same losses over 3 AdamW steps, and the step graph captured.
-  With one rank no gather is served (a group of one has nothing to gather): it checks that
-  the pipeline's stage step and graph_trainer's capture live together.
+  With one rank there is no gather to serve and so no stage step: it proves only that the
+  torch_ce pipeline leaves graph_trainer's capture working (the test above is the proof
+  that a stage step and a gather are captured and replayed).
 
 Skipped without a GPU or without the built C++ kernels (the per-peer capture path is
 theirs). Run: ``python3 -m pytest -q test/test_graph_trainer_cuda.py``.
@@ -37,7 +41,7 @@ from cuda_helpers import needs_gpu_and_kernels
 pytestmark = needs_gpu_and_kernels
 if not torch.cuda.is_available():  # before importing torchtitan (seconds on CPU CI)
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
+pytest.importorskip("torchtitan")
 
 from mp_harness import run_ranks, seed_base  # noqa: E402
 
@@ -104,10 +108,12 @@ def _wrapper_rank(rank, world, seed):
     wrapped = type(gm.forward).__name__
     res = dict(wrapped=wrapped, calls=[])
     for call in range(4):  # warm-up, capture + replay, replay, replay
-        full, mm = gm(w, x)
+        with _Dispatched() as seen:
+            full, mm = gm(w, x)
         torch.cuda.synchronize()
         exp = torch.cat([w.to(torch.bfloat16), peer])
         res["calls"].append(dict(
+            magi=sorted({op for op in seen.ops if op.startswith("magi.")}),
             gather_exact=bool(torch.equal(full, exp)),
             slot_refreshed=bool(torch.equal(mine, w.to(torch.bfloat16))),
             mm_close=bool(torch.allclose(mm.float(), (x @ exp.t()).float(), rtol=1e-2, atol=1e-2))))
@@ -117,6 +123,28 @@ def _wrapper_rank(rank, world, seed):
     res["captured"] = getattr(gm.forward, "_cudagraph", None) is not None
     _teardown()
     return res
+
+
+class _Dispatched:
+    """The ops dispatched while in use (``ops``: "namespace.name" each), through a
+    ``TorchDispatchMode``: a CUDA-graph replay dispatches none of the captured ones."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(func._schema.name.replace("::", "."))
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
 
 
 def _teardown():
@@ -134,6 +162,9 @@ def test_stage_and_gathers_replay_under_graph_trainers_wrapper():
     assert r["wrapped"] == "CUDAGraphWrapper" and r["captured"], r
     for i, c in enumerate(r["calls"]):
         assert c["gather_exact"] and c["slot_refreshed"] and c["mm_close"], (i, r)
+    ran = {"magi.ce_stage", "magi.ce_staged", "magi.ce_all_gather_coalesced"}
+    assert ran <= set(r["calls"][0]["magi"]) and ran <= set(r["calls"][1]["magi"]), r["calls"]  # warm-up, capture
+    assert [c["magi"] for c in r["calls"][2:]] == [[], []], r["calls"]  # replays: the graph did it
 
 
 def _step_rank(rank, world, seed, cache):
@@ -163,4 +194,4 @@ def test_graph_trainer_step_with_cudagraph_pass(tmp_path):
     print(r["torch_ce"]["table"])
     for p in ("default", "torch_ce"):
         assert r[p]["captured"], (p, r[p])
-    assert all(torch.equal(a, b) for a, b in zip(r["default"]["losses"], r["torch_ce"]["losses"])), r
+    assert all(torch.equal(a, b) for a, b in zip(r["default"]["losses"], r["torch_ce"]["losses"], strict=True)), r

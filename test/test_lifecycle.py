@@ -76,7 +76,7 @@ def _memory(rank, ws, base):
         isinstance(s, W.Slot)
         and p._local_tensor.data_ptr() == s.window.local.data_ptr() + s.offset
         and p._local_tensor.untyped_storage().nbytes() == s.nbytes
-        for (n, p), s in zip(model.items(), slots.values()))
+        for (n, p), s in zip(model.items(), slots.values(), strict=True))
     out["maps_after_bind"] = len(_shm_maps()) - maps_before  # own + peer segments
     out["exact"] = [torch.equal(_ce(p._local_tensor), refs[n]) for n, p in model.items()]
     out["data_kept"] = [torch.equal(p._local_tensor, clones[n]) for n, p in model.items()]
@@ -407,7 +407,7 @@ def _rank_groups(rank, ws, cache_root):
         torch_ce.disable()
     slot_ranks = [W.lookup(p._local_tensor).window.group_ranks for p in dense + experts]
     return dict(
-        exact=[torch.equal(o, e) for o, e in zip(outs, eager)],
+        exact=[torch.equal(o, e) for o, e in zip(outs, eager, strict=True)],
         pools=sorted(W.pools()),
         slot_ranks=slot_ranks,
         compile_bound=len(report.graphs[-1].bound),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
+pytest.importorskip("torchtitan")  # its modules then import, or the file fails loudly
 
 from mp_harness import run_ranks, seed_base, setup_compile  # noqa: E402
 
@@ -84,7 +84,7 @@ def _rank_buffer(rank, world, seed, cache):
         ce, ce_seen, e = _run("copy_engine", seed, xs, training)
         cov = e.coverage()
         out["training" if training else "inference"] = dict(
-            exact=[torch.equal(a, b) for a, b in zip(ref, ce)],
+            exact=[torch.equal(a, b) for a, b in zip(ref, ce, strict=True)],
             seen_exact=torch.equal(ref_seen, ce_seen),
             seen_changed=bool(ce_seen.abs().sum() > 0),
             rows=sorted({(w.param, w.status) for w in e.weights}),
@@ -148,7 +148,7 @@ def _rank_weight_mutation(rank, world, seed, cache):
             torch_ce.disable()
     e = torch_ce.explain()
     rec = e.graphs[-1]
-    return dict(exact=[torch.equal(p, q) for p, q in zip(outs["nccl"], outs["copy_engine"])],
+    return dict(exact=[torch.equal(p, q) for p, q in zip(outs["nccl"], outs["copy_engine"], strict=True)],
                 refused=[(r.name, r.reason) for r in rec.refused], bound=len(rec.bound),
                 share=e.coverage().per_graph[-1].share)
 

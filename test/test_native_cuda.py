@@ -134,12 +134,12 @@ def _loop_exact(rank, world):
             exp = _expected(pairs, pos)
             singles = [_wait(torch.ops.magi.ce_all_gather(s, 2, name)).cpu() for s in shards]
             outs = [_wait(o).cpu() for o in torch.ops.magi.ce_all_gather_coalesced(shards, 2, name)]
-            res[f"pos{pos}_split{int(split)}"] = [bool(torch.equal(a, b)) for a, b in zip(singles + outs, exp + exp)]
+            res[f"pos{pos}_split{int(split)}"] = [bool(torch.equal(a, b)) for a, b in zip(singles + outs, exp + exp, strict=True)]
     native.set_split_local_copy(True)
     res["slots"] = native.slot_count()
     res["python_submissions_native"] = sum(py.values())
     pys = [_wait(o).cpu() for o in torch.ops.torch_ce.gather_python(shards, 2, name)]
-    res["python_exact"] = [bool(torch.equal(a, b)) for a, b in zip(pys, exp)]
+    res["python_exact"] = [bool(torch.equal(a, b)) for a, b in zip(pys, exp, strict=True)]
     res["python_submissions_python"] = sum(py.values())
     res["errors"] = _hand_off_errors(dev, shards[0], 2, name)
     res["ordered_exact"] = _ordered_exact(shards[3], 2, name, exp[3])  # 128 MiB gathered
@@ -186,7 +186,7 @@ def _loop_graph(rank, world):
         exp = [e * 2 for e in _expected(pairs, 1)]
         g.replay()
         torch.cuda.synchronize()
-        res[f"replay{trial}_exact"] = [bool(torch.equal(o.cpu(), e)) for o, e in zip(static, exp)]
+        res[f"replay{trial}_exact"] = [bool(torch.equal(o.cpu(), e)) for o, e in zip(static, exp, strict=True)]
     return res
 
 
@@ -261,11 +261,11 @@ def _exact(rank, world):
     singles = [_wait(torch.ops.magi.ce_all_gather(s, world, name)).cpu() for s in shards]
     outs = [_wait(o).cpu() for o in torch.ops.magi.ce_all_gather_coalesced(shards, world, name)]
     res["python_submissions_native"] = sum(py.values())
-    res["single_exact"] = [bool(torch.equal(a, b)) for a, b in zip(singles, refs)]
-    res["coalesced_exact"] = [bool(torch.equal(a, b)) for a, b in zip(outs, refs)]
+    res["single_exact"] = [bool(torch.equal(a, b)) for a, b in zip(singles, refs, strict=True)]
+    res["coalesced_exact"] = [bool(torch.equal(a, b)) for a, b in zip(outs, refs, strict=True)]
     # The Python kernel gives the same bits (it hands its bound members back to C++).
     pys = [_wait(o).cpu() for o in torch.ops.torch_ce.gather_python(shards, world, name)]
-    res["python_exact"] = [bool(torch.equal(a, b)) for a, b in zip(pys, refs)]
+    res["python_exact"] = [bool(torch.equal(a, b)) for a, b in zip(pys, refs, strict=True)]
     res["python_submissions_python"] = sum(py.values())
     res["errors"] = _hand_off_errors(dev, shards[0], world, name)
     res["ordered_exact"] = _ordered_exact(shards[3], world, name, refs[3])
@@ -276,7 +276,7 @@ def _exact(rank, world):
     for kw in (dict(order="fixed"), dict(order="rotated-member"), dict(order="rotated", chunk_mib=20 / 1024)):
         with native.peer_order_as(**kw):
             outs = [_wait(o).cpu() for o in torch.ops.magi.ce_all_gather_coalesced(shards, world, name)]
-        res["orders_exact"][str(kw)] = [bool(torch.equal(a, b)) for a, b in zip(outs, refs)]
+        res["orders_exact"][str(kw)] = [bool(torch.equal(a, b)) for a, b in zip(outs, refs, strict=True)]
     return res
 
 
@@ -319,7 +319,7 @@ def _graph(rank, world):
         refs = [_ref(sh) * 2 for sh in shards]
         g.replay()
         torch.cuda.synchronize()
-        res[f"replay{trial}_exact"] = [bool(torch.equal(o.cpu(), r)) for o, r in zip(static, refs)]
+        res[f"replay{trial}_exact"] = [bool(torch.equal(o.cpu(), r)) for o, r in zip(static, refs, strict=True)]
         dist.barrier()  # peers finished reading before the next overwrite
     return res
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("torchtitan.experiments.graph_trainer.simple_fsdp")
+pytest.importorskip("torchtitan")  # its modules then import, or the file fails loudly
 
 import testenv  # noqa: E402
 from mp_harness import run_ranks, seed_base, setup_compile  # noqa: E402
@@ -112,7 +112,7 @@ def _rank_empty_inference(rank, world, seed, cache):
     xs = [torch.randn(3, 5, 32, generator=gen) for _ in range(3)]
     ref = infer("nccl", seed, xs)
     ce = infer("copy_engine", seed, xs)
-    return [torch.equal(a, b) for a, b in zip(ref, ce)]
+    return [torch.equal(a, b) for a, b in zip(ref, ce, strict=True)]
 
 
 @pytest.mark.slow  # the default fuzz trial below covers the same shapes
@@ -229,7 +229,7 @@ def _rank_fuzz(rank, world, specs, cache):
         ref, ref_seen = _fuzz_run("nccl", spec, rank, xs)
         try:
             ce, ce_seen = _fuzz_run("copy_engine", spec, rank, xs, symm_min_shard_mib=spec["min_mib"][rank])
-            results.append(dict(exact=[torch.equal(a, b) for a, b in zip(ref, ce)],
+            results.append(dict(exact=[torch.equal(a, b) for a, b in zip(ref, ce, strict=True)],
                                 seen=torch.equal(ref_seen, ce_seen), error=""))
         except BindError as e:
             results.append(dict(exact=[], seen=True, error=str(e)))

@@ -78,7 +78,7 @@ def _rank_one_sided(rank, ws, base):
                     outs = [_wait(o) for o in torch.ops.magi.ce_all_gather_coalesced(shards, ws, gname)]
                 else:
                     outs = [torch_ce.all_gather(s, world) for s in shards]
-                for j, (o, r) in enumerate(zip(outs, refs)):
+                for j, (o, r) in enumerate(zip(outs, refs, strict=True)):
                     assert torch.equal(o, r), f"reader {reader}, gather {i}, shard {j} ({SPECS[j]}) differs"
             if pending is not None:
                 time.sleep(0.2)  # time enough for a collective that needed nobody else

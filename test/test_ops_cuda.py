@@ -129,7 +129,7 @@ def _rank_cuda_exact(rank, ws, base, kind):
     names = list(locals_)
     outs = torch.ops.magi.ce_all_gather_coalesced([locals_[n] for n in names], ws, mesh_name)
     calls += 1
-    for n, o in zip(names, outs):
+    for n, o in zip(names, outs, strict=True):
         check(n, _wait(o), locals_[n], refs[n])
     outs = torch.ops.magi.ce_all_gather_coalesced(plain, ws, world_name)
     calls += 1
@@ -159,7 +159,7 @@ def _rank_cuda_exact(rank, ws, base, kind):
     mixed_refs = [_ref_gather(a), _ref_gather(b)]
     res = torch_ce.bind([a, b], group=dist.group.WORLD)
     assert res.bound == ["param0"] and "param1" in res.skipped, res
-    for o, r in zip(torch.ops.magi.ce_all_gather_coalesced([a, b], ws, world_name), mixed_refs):
+    for o, r in zip(torch.ops.magi.ce_all_gather_coalesced([a, b], ws, world_name), mixed_refs, strict=True):
         assert torch.equal(_wait(o), r)
     assert torch.equal(_wait(torch.ops.magi.ce_all_gather(b, ws, world_name)), mixed_refs[1])
     return dict(counts)
@@ -276,7 +276,7 @@ def _rank_cuda_memory(rank, ws, base):
     assert all(w.expired() for w in weak), f"old storage still alive: {numbers}"
     assert abs((alloc0 - alloc1) - total) <= 2**20, f"caching-allocator bytes did not drop by the shards: {numbers}"
     assert free0 - free1 < total // 2, f"binding used a second copy's worth of device memory: {numbers}"
-    for t, r in zip(shards, refs):
+    for t, r in zip(shards, refs, strict=True):
         assert torch.equal(_wait(torch.ops.magi.ce_all_gather(t, ws, dist.group.WORLD.group_name)), r)
     return numbers
 

@@ -151,12 +151,12 @@ def _rank_gather_exact(rank, ws, base):
         _check_fresh(n, _gather1(params[n].to_local(), ws, mesh_name), t, refs[n])
     names = list(locals_)
     outs = _gather_n([locals_[n] for n in names], ws, mesh_name)  # mixed dtypes and shapes
-    for n, o in zip(names, outs):
+    for n, o in zip(names, outs, strict=True):
         _check_fresh(n, o, locals_[n], refs[n])
     for i, t in enumerate(plain):
         _check_fresh(f"plain{i}", _gather1(t, ws, world_name), t, plain_refs[i])
     outs = _gather_n(plain + [locals_[names[0]]], ws, world_name)
-    for o, t, r in zip(outs, plain + [locals_[names[0]]], plain_refs + [refs[names[0]]]):
+    for o, t, r in zip(outs, plain + [locals_[names[0]]], plain_refs + [refs[names[0]]], strict=True):
         _check_fresh("coalesced plain", o, t, r)
 
     # Writing an output changes no shard here or on a peer.
@@ -250,7 +250,7 @@ def _rank_opcheck(rank, ws, base):
             if r != "SUCCESS":
                 assert "not bound" in _error_text(r), f"{op} {util}: unexpected failure {r!r}"
             findings[f"{op.name()} {util}"] = "SUCCESS" if r == "SUCCESS" else "not bound"
-    for s, r in zip(shards, refs):
+    for s, r in zip(shards, refs, strict=True):
         assert torch.equal(_gather1(s, ws, gname), r)
     return findings
 
@@ -301,9 +301,9 @@ def _rank_window_cap(rank, ws, base):
     everyone = all_gather_json(layout)
     assert all(lay == everyone[0] for lay in everyone), everyone
     gname = dist.group.WORLD.group_name
-    for s, r in zip(shards, refs):
+    for s, r in zip(shards, refs, strict=True):
         assert torch.equal(_gather1(s, ws, gname), r)
-    for o, r in zip(_gather_n(shards, ws, gname), refs):  # one bucket across many windows
+    for o, r in zip(_gather_n(shards, ws, gname), refs, strict=True):  # one bucket across many windows
         assert torch.equal(o, r)
     return len(windows)
 
@@ -396,7 +396,7 @@ def _rank_disagreement(rank, ws, base):
     assert isinstance(W.lookup(b), W.Fallback)
     # The refused shard falls back to gloo inside the op, on both ranks, alone or in a bucket.
     assert torch.equal(_gather1(b, ws, gname), refs[1])
-    for o, r in zip(_gather_n([a, b, c], ws, gname), refs):
+    for o, r in zip(_gather_n([a, b, c], ws, gname), refs, strict=True):
         assert torch.equal(o, r)
 
     # Different shapes at the same position: refused on both ranks, no hang.
@@ -417,7 +417,7 @@ def _rank_disagreement(rank, ws, base):
     assert torch_ce.bind([b2], group=dist.group.WORLD).skipped
     outs = torch.ops.magi.ce_all_gather_coalesced([b, b2], ws, gname)
     assert torch._C._distributed_c10d._get_work_registry_size() == 0
-    for o, r in zip([_wait(o) for o in outs], [refs[1], b2_ref]):
+    for o, r in zip([_wait(o) for o in outs], [refs[1], b2_ref], strict=True):
         assert torch.equal(o, r)
 
     # A different number of shards: everything refused, no hang.

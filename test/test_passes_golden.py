@@ -272,7 +272,7 @@ magi.ce_stage([cast.weight], ['bfloat16'], [2], ['0'], ['cast.weight'], [''], Fa
                        torch.float32, torch.float32, torch.float32]
                 rows = [8, 8, 8, 8, 64, 8, 2]  # the 64-row one breaks the size cap; the
                 s.ws = nn.ParameterList()    # last (2 rows) is below the floor: unbound
-                for r, dt in zip(rows, dts):
+                for r, dt in zip(rows, dts, strict=True):
                     w = distribute_tensor(torch.randn(r, 8, dtype=dt), mesh, [Shard(0)])
                     s.ws.append(nn.Parameter(w, requires_grad=False))
 

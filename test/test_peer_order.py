@@ -49,7 +49,7 @@ def _rank(rank, world, base):
         with native.peer_order_as(order):
             res[order] = _issued_reads(lambda: gather.gather_slots(shards, slots, world), slots)
             outs = [wait(o) for o in torch.ops.magi.ce_all_gather_coalesced(shards, world, group.group_name)]
-        res[f"{order}_exact"] = [bool(torch.equal(o, r)) for o, r in zip(outs, refs)]
+        res[f"{order}_exact"] = [bool(torch.equal(o, r)) for o, r in zip(outs, refs, strict=True)]
     return res
 
 

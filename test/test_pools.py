@@ -38,13 +38,13 @@ def _rank_200_graphs(rank: int, world: int, cap_mib: float) -> dict:
         originals = [w.clone() for w in ws]
         torch.ops.magi.ce_bind(ws, [world] * len(ws), [g.group_name] * len(ws),
                                [f"g{i}.w{k}" for k in range(len(ws))], [""] * len(ws))
-        for w, o in zip(ws, originals):
+        for w, o in zip(ws, originals, strict=True):
             assert isinstance(W.lookup(w), W.Slot), f"graph {i}: not bound"
             assert torch.equal(w, o), f"graph {i}: the bind changed a value"
         kept.append(ws)
         refs.append([reference_all_gather(w) for w in ws])
-    for ws, rs in zip(kept, refs):  # every gather exact, also of early graphs' weights
-        for w, r in zip(ws, rs):
+    for ws, rs in zip(kept, refs, strict=True):  # every gather exact, also of early graphs' weights
+        for w, r in zip(ws, rs, strict=True):
             assert torch.equal(torch_ce.all_gather(w), r)
     pool = next(iter(W.pools().values()))
     assert len(W.pools()) == 1

@@ -46,7 +46,7 @@ def _prefetch_compiled(rank, world, cache_root):
         torch_ce.enable(transport="copy_engine", prefetch_next_call_mib=8)
         prefetch.reset_stats()
         plain = torch.compile(model, fullgraph=True)
-        res["plain_exact"] = [bool(torch.equal(plain(x), r)) for x, r in zip(xs, ref)]
+        res["plain_exact"] = [bool(torch.equal(plain(x), r)) for x, r in zip(xs, ref, strict=True)]
         res["plain_stats"] = dict(prefetch.stats)
         res["members"] = len(torch_ce.report.graphs[-1].prefetch.get("members", []))
         torch._dynamo.reset()
@@ -56,7 +56,7 @@ def _prefetch_compiled(rank, world, cache_root):
         graphed = torch.compile(model, mode="reduce-overhead", fullgraph=True)
         outs = [graphed(x).clone() for x in xs]  # warm-up, record, replays
         outs.append(graphed(xs[0]).clone())
-        res["graphs_exact"] = [bool(torch.equal(o, r)) for o, r in zip(outs, ref + ref[:1])]
+        res["graphs_exact"] = [bool(torch.equal(o, r)) for o, r in zip(outs, ref + ref[:1], strict=True)]
         res["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
         res["graphs_prefetch"] = torch_ce.report.graphs[-1].prefetch
         torch.cuda.synchronize()

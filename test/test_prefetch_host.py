@@ -63,9 +63,9 @@ def _run(rank, world, seed, cache_root):
             new = [torch.randn(m.out_features, m.in_features) for m in eager]
             rows = [w.shape[0] // world for w in new]
             with torch_ce.updating_weights(model):
-                for s, w, r in zip(shards, new, rows):
+                for s, w, r in zip(shards, new, rows, strict=True):
                     s.copy_(w[rank * r:(rank + 1) * r])
-            for m, w in zip(eager, new):
+            for m, w in zip(eager, new, strict=True):
                 m.weight.copy_(w)
             call(3)
             call(4)

@@ -219,7 +219,7 @@ def _training(rank, ws, mesh):
         reasons=[r["reason"] for g in recs for r in g.refused],
         bound=[b["name"] for g in recs for b in g.bound],
         exact=[torch.equal(out, eager)]
-        + [torch.equal(c.grad.to_local(), e.grad.to_local()) for c, e in zip(ws_c, ws_e)],
+        + [torch.equal(c.grad.to_local(), e.grad.to_local()) for c, e in zip(ws_c, ws_e, strict=True)],
         lookup=[type(W.lookup(w._local_tensor)).__name__ for w in ws_c],
         new_binds=[repr(b) for b in report.binds[n_binds:]],
     )
@@ -254,7 +254,7 @@ def _mutation(rank, ws, mesh):
     return dict(
         reasons=[r["reason"] for g in recs for r in g.refused],
         bound=[b["name"] for g in recs for b in g.bound],
-        exact=[torch.equal(a, b) for a, b in zip(out, eager)]
+        exact=[torch.equal(a, b) for a, b in zip(out, eager, strict=True)]
         + [torch.equal(w_c.to_local(), w_e.to_local())],
         lookup=type(W.lookup(w_c._local_tensor)).__name__,
     )

@@ -166,7 +166,7 @@ def _training(rank, ws, dev):
     torch_ce.enable(transport="copy_engine", symm_min_shard_mib=0)
     out = torch.compile(f, fullgraph=True)(x, *ws_c)
     out.sum().backward()
-    grads = [(c.grad.to_local(), e.grad.to_local()) for c, e in zip(ws_c, ws_e)]
+    grads = [(c.grad.to_local(), e.grad.to_local()) for c, e in zip(ws_c, ws_e, strict=True)]
     recs = report.graphs[n:]
     return dict(
         reasons=[r["reason"] for g in recs for r in g.refused],
@@ -210,7 +210,7 @@ def _mutation(rank, ws, dev, dtype):
     return dict(
         reasons=[r["reason"] for g in recs for r in g.refused],
         bound=[b["name"] for g in recs for b in g.bound],
-        exact=[torch.equal(a, b) for a, b in zip(out, eager)] + [torch.equal(w_c.to_local(), w_e.to_local())],
+        exact=[torch.equal(a, b) for a, b in zip(out, eager, strict=True)] + [torch.equal(w_c.to_local(), w_e.to_local())],
         lookup=type(W.lookup(w_c._local_tensor)).__name__,
     )
 

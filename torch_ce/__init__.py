@@ -36,15 +36,14 @@ def all_gather(shard, group=None):
 
 
 def enable(**overrides):
-    import sys
-
+    from .integrations.import_hook import register_when_imported
     from .passes.install import enable as _enable
 
     cfg = _enable(**overrides)
-    if "torchtitan.experiments.graph_trainer.registry" in sys.modules:
-        # graph_trainer runs its own pass pipelines: register torch_ce's, and observe the
-        # default one (torch_ce/integrations/torchtitan.py).
-        from .integrations import torchtitan  # noqa: F401
+    # graph_trainer runs its own pass pipelines: register torch_ce's, and observe the
+    # default one (torch_ce/integrations/torchtitan.py), whether graph_trainer is imported
+    # already or later (integrations/import_hook.py).
+    register_when_imported()
     return cfg
 
 

@@ -171,7 +171,7 @@ def account(c: dict, labels: list[str] | None = None, bound: dict | None = None)
         under = [overlap_length([(k["ts"], k["ts"] + k["dur"])], copy_iv) > 0 for k in ks]
         ref = _match_bound(ks, bcomp[i]) if i < len(bcomp) else [None] * len(ks)
         for g in G:
-            sel = [(k["dur"], r) for k, r in zip(ks, ref)
+            sel = [(k["dur"], r) for k, r in zip(ks, ref, strict=True)
                    if r is not None and overlap_length([(k["ts"], k["ts"] + k["dur"])], g["intervals"]) > 0]
             g["compute_under_us"] = round(sum(d for d, _ in sel), 1)
             g["compute_under_bound_us"] = round(sum(r for _, r in sel), 1)
@@ -179,8 +179,8 @@ def account(c: dict, labels: list[str] | None = None, bound: dict | None = None)
             g["exposed_us"] = round(g["exposed_us"], 1)
             g["start_us"] = None if g["start"] is None else round(g["start"] - t0, 1)
             g["end_us"] = None if g["end"] is None else round(g["end"] - t0, 1)
-        mu = [(k["dur"], r) for k, r, u in zip(ks, ref, under) if r is not None and u]
-        mn = [(k["dur"], r) for k, r, u in zip(ks, ref, under) if r is not None and not u]
+        mu = [(k["dur"], r) for k, r, u in zip(ks, ref, under, strict=True) if r is not None and u]
+        mn = [(k["dur"], r) for k, r, u in zip(ks, ref, under, strict=True) if r is not None and not u]
         iters.append(dict(
             t0=t0, span_us=round((ks[-1]["ts"] + ks[-1]["dur"] - t0) if ks else 0.0, 1),
             compute_us=round(sum(k["dur"] for k in ks), 1), copy_us=round(union_length(copy_iv), 1),

@@ -121,7 +121,7 @@ def _round(fn: Callable, iters: int, sleep_ms: float) -> tuple[list[float], floa
         ends[i].record()
     cpu_ms = (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)], cpu_ms
+    return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)], cpu_ms
 
 
 def time_stats(fn: Callable, iters: int = 50, warmup: int = 5, *, head_start: bool = False,
@@ -308,7 +308,7 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for j, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -182,7 +182,7 @@ def draw(plt, result: dict, variants: list[str], tag: str, world: int):
         vals = [((result["results"][T].get(v) or {}).get("ms") or 0.0) for T in Ts]
         xs = [j + (i - (len(variants) - 1) / 2) * w for j in range(len(Ts))]
         bars = ax.bar(xs, vals, w, label=v)
-        for b, val in zip(bars, vals):
+        for b, val in zip(bars, vals, strict=True):
             if val:
                 ax.annotate(f"{val:.1f}", (b.get_x() + b.get_width() / 2, val), ha="center",
                             va="bottom", fontsize=8)

@@ -231,7 +231,7 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
         refs = {}
         for key, shards in (("ce1", [big]), ("ce8", members)):
             refs[key] = [torch.empty(world * s.numel(), dtype=bf16, device=dev) for s in shards]
-            for r, s in zip(refs[key], shards):
+            for r, s in zip(refs[key], shards, strict=True):
                 dist.all_gather_into_tensor(r, s)
         C.sync()
         for name, (key, kw) in [("ce1", ("ce1", {})), ("ce8", ("ce8", {}))] + list(ordered.items()):
@@ -239,7 +239,7 @@ def _one_size(mib: float, world: int, rank: int, a: dict, sg) -> dict:
                 outs = [wait(o) for o in torch.ops.magi.ce_all_gather_coalesced(
                     [big] if key == "ce1" else members, world, gname)]
             C.sync()
-            exact[name] = all(bool(torch.equal(o, r)) for o, r in zip(outs, refs[key]))
+            exact[name] = all(bool(torch.equal(o, r)) for o, r in zip(outs, refs[key], strict=True))
         del refs, outs
     except Exception as e:  # noqa: BLE001
         err = C.short_error(e)

@@ -175,7 +175,7 @@ def _worker(rank: int, world: int, a: dict) -> None:
         return
     ratio = [r["ce"]["ms"] / r["nccl"]["ms"] for r in everyone]
     same = [bool(r["ce_det"]["losses"]) and r["ce_det"]["losses"] == r["nccl_det"]["losses"] for r in everyone]
-    timed_diff = max(abs(x - y) for r in everyone for x, y in zip(r["ce"]["losses"], r["nccl"]["losses"]))
+    timed_diff = max(abs(x - y) for r in everyone for x, y in zip(r["ce"]["losses"], r["nccl"]["losses"], strict=True))
     ce0 = everyone[0]["ce"]
     payload = dict(args=a, world=world, per_rank=everyone,
                    ce_over_nccl=max(ratio), losses_identical=all(same),
@@ -210,7 +210,7 @@ def _draw(plt, everyone, a):
         ax1.text(i, r0[n]["ms"], f"{r0[n]['ms']:.1f} ms", ha="center", va="bottom")
     ax1.set_ylabel("ms per training step (median, rank 0)")
     ax1.set_title(f"{a['model']} {a['layers']} layers, {a['tokens']} tokens, {a['param_dtype']}")
-    for n, style in zip(names + list(CHECKED), ("-", "--", ":", "-.")):
+    for n, style in zip(names + list(CHECKED), ("-", "--", ":", "-."), strict=True):
         ax2.plot(r0[n]["losses"], style, label=n)
     ax2.set_xlabel("step")
     ax2.set_ylabel("loss (rank 0)")

@@ -63,15 +63,34 @@ def _op(name: str, overload: str = "default"):
         return None
 
 
-def _ops(*specs) -> frozenset:
-    return frozenset(o for o in (_op(*s) for s in specs) if o is not None)
+# The ops the census counts, each with the torch module that makes graphs hold it: a torch
+# without that module has no such gathers to count; one with it but without the op renamed
+# it (``missing_ops``, asserted on every CI leg by test/test_torch_features.py).
+CENSUS_OPS = {
+    "_c10d_functional.all_gather_into_tensor_out": "torch.distributed._functional_collectives",
+    "_c10d_functional.all_gather_into_tensor_coalesced": "torch.distributed._functional_collectives",
+    "bucketing._pre_bucket_all_gather": "torch._inductor.fx_passes.bucketing",
+    "_c10d_functional.reduce_scatter_tensor": "torch.distributed._functional_collectives",
+    "_c10d_functional.reduce_scatter_tensor_coalesced": "torch.distributed._functional_collectives",
+}
 
 
-_OUT = _ops(("_c10d_functional.all_gather_into_tensor_out",))
-_COALESCED = _ops(("_c10d_functional.all_gather_into_tensor_coalesced",))
-_PRE_BUCKET = _ops(("bucketing._pre_bucket_all_gather",))
-_REDUCE_SCATTER = _ops(("_c10d_functional.reduce_scatter_tensor",),
-                       ("_c10d_functional.reduce_scatter_tensor_coalesced",))
+def missing_ops() -> list[str]:
+    """Census ops this torch should have (their producer is here) but does not resolve."""
+    from .install import has_feature
+
+    return [name for name, producer in CENSUS_OPS.items() if has_feature(producer) and _op(name) is None]
+
+
+def _ops(*names) -> frozenset:
+    assert all(n in CENSUS_OPS for n in names), names
+    return frozenset(o for o in (_op(n) for n in names) if o is not None)
+
+
+_OUT = _ops("_c10d_functional.all_gather_into_tensor_out")
+_COALESCED = _ops("_c10d_functional.all_gather_into_tensor_coalesced")
+_PRE_BUCKET = _ops("bucketing._pre_bucket_all_gather")
+_REDUCE_SCATTER = _ops("_c10d_functional.reduce_scatter_tensor", "_c10d_functional.reduce_scatter_tensor_coalesced")
 _GATHER_FORMS = _OUT | _COALESCED  # besides all_gather_into_tensor: group name in args[2]
 _AUTO_FUNCTIONALIZED = {getattr(torch.ops.higher_order, n, None) for n in
                         ("auto_functionalized", "auto_functionalized_v2")} - {None}

@@ -46,19 +46,56 @@ class _Chained(_PassBase):
 # Inductor settings that fight ours while our pass or our reorder is installed (NOTE in
 # DESIGN.md: they only match all_gather_into_tensor, 2.11's overlap scheduler crashes on our
 # buckets, and a second comm scheduler or Inductor's own CE gathers would undo our reorder's
-# placement or its NCCL baseline).
+# placement or its NCCL baseline): (setting, the value we set, the feature it switches, as
+# "module" or "module:attribute" of torch). A torch without the feature needs no setting
+# (said in a debug line); a torch with the feature but not the setting renamed it, and gets
+# a warning (``off_list``; test/test_torch_features.py asserts it on every CI leg).
 _OFF = [
     # Hoists every collective to the top of the graph, which would make all weight gathers
     # "program-adjacent" (one bucket) and leave our reorder nothing to place.
-    ("reorder_for_locality", False),
-    ("bucket_all_gathers_fx", "none"),
-    ("aten_distributed_optimizations.enable_overlap_scheduling", False),
+    ("reorder_for_locality", False, "torch._inductor.fx_passes.post_grad:reorder_for_locality"),
+    ("bucket_all_gathers_fx", "none", "torch._inductor.fx_passes.bucketing:bucket_all_gather"),
+    ("aten_distributed_optimizations.enable_overlap_scheduling", False,
+     "torch._inductor.fx_passes.overlap_scheduling"),
     # Torch 2.14+ (on by default): moves every collective up and every wait down by
     # adjacent swaps after our reorder ran, undoing its placement, the bind step's lead
     # (NOTE [the bind step leads] in reorder.py) and gloo's one collective in flight.
-    ("aten_distributed_optimizations.enable_simple_overlap", False),
-    ("aten_distributed_optimizations.enable_low_contention_collectives", False),
+    ("aten_distributed_optimizations.enable_simple_overlap", False, "torch._inductor.comms:simple_overlap"),
+    ("aten_distributed_optimizations.enable_low_contention_collectives", False,
+     "torch._inductor.fx_passes.low_contention_collectives"),
 ]
+
+
+def has_feature(spec: str) -> bool:
+    """Whether this torch has ``"module"`` or ``"module:attribute"``."""
+    import importlib
+
+    mod, _, attr = spec.partition(":")
+    try:
+        m = importlib.import_module(mod)
+    except ImportError:
+        return False
+    return not attr or hasattr(m, attr)
+
+
+def off_list(ic=None) -> list[tuple[str, Any, str, bool, bool]]:
+    """``_OFF`` on this torch: (setting, value, feature, has the setting, has the feature)."""
+    if ic is None:
+        import torch._inductor.config as ic
+    return [(k, v, f, _get(ic, k) is not _MISSING, has_feature(f)) for k, v, f in _OFF]
+
+
+def _say_missing(ic) -> None:
+    for k, _, feature, has_setting, has_feat in off_list(ic):
+        if has_setting:
+            continue
+        if has_feat:
+            log.warning("torch_ce: this torch has %s but no Inductor setting %s to turn it off: it may undo "
+                        "torch_ce's placement of its gathers (a renamed setting: please report it)", feature, k)
+        else:
+            log.debug("torch_ce: this torch has no Inductor setting %s, nor what it switches (%s): nothing to "
+                      "turn off", k, feature)
+
 
 class _ChainedJoint(CustomGraphPass):
     """A joint-graph pass the user had installed, then ours."""
@@ -122,7 +159,8 @@ def _install(ic) -> dict[str, Any]:
         keys += ["reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes",
                  "estimate_op_runtime"]
     if ce or reorder:
-        keys += [k for k, _ in _OFF]
+        keys += [k for k, _, _ in _OFF]
+        _say_missing(ic)
     saved = {k: _get(ic, k) for k in keys}
     prev = saved["post_grad_custom_post_pass"]
     if prev is None:
@@ -139,10 +177,41 @@ def _install(ic) -> dict[str, Any]:
 
         install_reorder(ic)
     if ce or reorder:
-        for k, v in _OFF:
+        for k, v, _ in _OFF:
             if saved[k] is not _MISSING:
                 _set(ic, k, v)
     return saved
+
+
+def changed_settings() -> dict[str, Any]:
+    """The Inductor settings enable() changed, with their values now (empty: not enabled);
+    its passes and hooks are named by their settings."""
+    import torch._inductor.config as ic
+
+    plain = (bool, int, float, str, type(None))
+    now = {k: _get(ic, k) for k, old in (_saved or {}).items() if old is not _MISSING and _get(ic, k) is not old}
+    return {k: v if isinstance(v, plain) else type(v).__name__ for k, v in now.items()}
+
+
+def refuse_out_of_process_compile() -> None:
+    """Raise when Inductor compiles FX graphs in another process
+    (``TORCHINDUCTOR_FX_COMPILE_MODE=subprocess``, or its async / progressive forms): torch_ce's
+    passes, its decisions made before Inductor (``manager.decided_before_inductor``) and its
+    lowerings live in this process, and would not reach that one: its weight gathers would stay
+    on the collective, or be decided twice."""
+    import torch._inductor.compile_fx as cf
+
+    mode = getattr(cf, "fx_compile_mode", None)
+    out_of_process = (getattr(mode, "name", "NORMAL") == "SUBPROCESS" or getattr(cf, "fx_compile_async", False)
+                      or getattr(cf, "fx_compile_progressive", False))
+    if out_of_process:
+        import os
+
+        raise RuntimeError(
+            "torch_ce: Inductor compiles FX graphs in a subprocess here (TORCHINDUCTOR_FX_COMPILE_MODE="
+            f"{os.environ.get('TORCHINDUCTOR_FX_COMPILE_MODE', getattr(mode, 'name', mode))!r}); torch_ce's "
+            "graph passes and lowerings run in this process only, so no gather would reach the copy engines. "
+            "Unset TORCHINDUCTOR_FX_COMPILE_MODE (or set it to 'normal') before torch is imported.")
 
 
 def _restore(ic) -> None:
@@ -160,6 +229,7 @@ def enable(**overrides: Any):
     global _saved
     import torch._inductor.config as ic
 
+    refuse_out_of_process_compile()
     if overrides:
         update(**overrides)
     from ..inductor_lowering import register_lowerings

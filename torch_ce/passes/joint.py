@@ -144,14 +144,18 @@ def run(gm: fx.GraphModule, state: JointRun) -> report.GraphRecord | None:
 def launch(gm: fx.GraphModule, state: JointRun) -> list:
     """The CE gathers ``run`` left coalesced along the plan and launched one bucket early
     (program-adjacent buckets without a plan); the record lists the buckets."""
-    if not state.seeds:
+    # A refused gather stayed a plain collective, which the caller's own bucketing may have
+    # replaced since ``run``: only the gathers still in the graph are left to bucket.
+    live = set(gm.graph.nodes)
+    seeds = [s for s in state.seeds if s.gather in live]
+    if not seeds:
         return []
     with config.patch(transport="copy_engine"):
         if state.plans is not None and state.module_fqn is not None:
             bucketer = plan_bucketer(state.plans, state.module_fqn, state.is_backward or (lambda n: False))
-            buckets = bucketer(gm.graph, state.seeds, config)
+            buckets = bucketer(gm.graph, seeds, config)
         else:
-            buckets = bucket_mod.bucket(gm.graph, state.seeds, config)
+            buckets = bucket_mod.bucket(gm.graph, seeds, config)
     if state.record is not None:
         state.record.buckets = manager.bucket_rows(buckets)
     gm.graph.lint()
