@@ -61,12 +61,15 @@ def no_shm_left():
 
 
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.slow`` cases run only with TORCH_CE_SLOW=1 (``testenv.SLOW``)."""
+    """``@pytest.mark.slow`` cases run only with TORCH_CE_SLOW=1 (``testenv.SLOW``), or
+    those TORCH_CE_RUN_SLOW names (``testenv.RUN_SLOW``)."""
+    import fnmatch
+
     if testenv.SLOW:
         return
     skip = pytest.mark.skip(reason="slow: set TORCH_CE_SLOW=1")
     for item in items:
-        if "slow" in item.keywords:
+        if "slow" in item.keywords and not any(fnmatch.fnmatch(item.nodeid, g) for g in testenv.RUN_SLOW):
             item.add_marker(skip)
 
 

@@ -438,6 +438,7 @@ def _rank_moe(rank, world, seed, root):
     return res
 
 
+@pytest.mark.slow  # ~2 minutes on 2 cores (4 ranks, two compiles each): CI's fast legs run it
 def test_moe_experts_on_their_own_mesh(tmp_path):
     res = run_ranks(_rank_moe, 4, seed_base(), str(tmp_path.resolve()), timeout=600,
                     env=ENV_MANY)
