@@ -120,26 +120,22 @@ def importable() -> str | None:
     return too_old_torch()
 
 
+# What torchtitan 0.3.0's graph_trainer imports that torch 2.11 lacks, as
+# torch_ce.passes.install.has_feature asks for it ("module" or "module:attribute").
+GRAPH_TRAINER_NEEDS = ("torch._functorch._activation_offloading.offload_ops",
+                       "torch.distributed.fsdp:DataParallelMeshDims")
+
+
 def too_old_torch() -> str | None:
     """The torch internals torchtitan 0.3.0's graph_trainer imports that this torch lacks
-    (torch 2.11 lacks both), asked of this torch itself, not of its version number."""
-    import torch.distributed.fsdp as fsdp
+    (``GRAPH_TRAINER_NEEDS``), asked of this torch itself, not of its version number."""
+    from torch_ce.passes.install import has_feature
 
-    missing = [n for n, ok in (
-        ("torch._functorch._activation_offloading.offload_ops",
-         _has_module("torch._functorch._activation_offloading.offload_ops")),
-        ("torch.distributed.fsdp.DataParallelMeshDims", hasattr(fsdp, "DataParallelMeshDims"))) if not ok]
+    missing = [f.replace(":", ".") for f in GRAPH_TRAINER_NEEDS if not has_feature(f)]
     if missing:
         return (f"torchtitan 0.3.0's graph_trainer imports what torch {torch.__version__} lacks: "
                 f"{', '.join(missing)}")
     return None
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # a parent package is absent
-        return False
 
 
 def cpu_math_sdpa(model) -> None:
