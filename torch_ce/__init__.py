@@ -35,6 +35,18 @@ def all_gather(shard, group=None):
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
+def reduce_scatter(input, group=None, op: str = "sum"):
+    """``wait_tensor(magi.ce_reduce_scatter(input, op, ...))``: this rank's chunk of
+    ``input`` (dim 0 cut in group-size chunks) summed (``op="avg"``: averaged) over
+    ``group``, with no collective (NOTE [copy-engine reduce-scatter])."""
+    import torch
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    out = torch.ops.magi.ce_reduce_scatter(input, op, dist.get_world_size(group), group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
 def enable(**overrides):
     from .integrations.import_hook import register_when_imported
     from .passes.install import enable as _enable
@@ -62,4 +74,5 @@ def explain(print_table: bool = False):
 
 
 __all__ = ["BindResult", "StaleWeightError", "UpdateError", "all_gather", "bind", "config", "disable",
-           "drop_prefetched", "enable", "explain", "release_all", "updating_weights"]
+           "drop_prefetched", "enable", "explain", "reduce_scatter", "release_all",
+           "updating_weights"]

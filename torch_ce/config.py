@@ -15,8 +15,9 @@ from typing import Any, Iterator
 # Fields that change what a bind or a calibration does at run time, never the compiled
 # graph: left out of the compile-cache key.
 RUN_TIME_ONLY = ("cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "cuda_torch_fallback",
-                 "shm_prefix")
+                 "shm_prefix", "rs_workspace_cap_mib", "rs_timeout_s")
 TRANSPORTS = ("nccl", "copy_engine")
+REDUCE_SCATTERS = ("collective", "copy_engine")
 _SHM_PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 COST_MODES = ("calibrated", "default")
 
@@ -79,6 +80,18 @@ class Config:
     # runtime/staging.py). It costs that copy's memory (explain(): cast_slot_bytes).
     # False: such gathers stay on the collective ("cast before gather").
     cast_slots: bool = True
+    # Gradient reduce-scatters of graphs the copy_engine transport serves: "collective"
+    # (the group's backend, as without torch_ce) or "copy_engine": pushes into the peers'
+    # receive workspaces, flags, one reduction, no collective and no barrier (NOTE
+    # [copy-engine reduce-scatter] in runtime/reduce_scatter.py). Host transport (CPU) only
+    # in this build: CUDA reduce-scatters stay on the collective, with the reason.
+    reduce_scatter: str = "collective"
+    # One reduce-scatter workspace (per group and dtype: two halves, a slice per sender)
+    # holds at most this many MiB; a bucket whose slices do not fit stays on the collective.
+    rs_workspace_cap_mib: float = 1024.0
+    # How long a reduce-scatter waits for a peer's push (or for a peer to free a half)
+    # before it raises, naming the bucket and the peer.
+    rs_timeout_s: float = 300.0
 
     def validate(self) -> "Config":
         if self.transport not in TRANSPORTS:
@@ -93,7 +106,10 @@ class Config:
                      "prefetch_next_call_mib"):
             if getattr(self, name) < 0:
                 raise ValueError(f"torch_ce: {name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("bind_timeout_s", "bind_arrival_timeout_s"):
+        if self.reduce_scatter not in REDUCE_SCATTERS:
+            raise ValueError(f"torch_ce: reduce_scatter must be one of {REDUCE_SCATTERS}, "
+                             f"got {self.reduce_scatter!r}")
+        for name in ("bind_timeout_s", "bind_arrival_timeout_s", "rs_workspace_cap_mib", "rs_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"torch_ce: {name} must be > 0, got {getattr(self, name)!r}")
         if self.reshard_after_forward not in (None, True, False):

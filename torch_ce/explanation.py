@@ -177,9 +177,29 @@ class Explanation:
                 c.unseen_reason = "this graph gathers no weight"
         return CoverageReport(total, [per[g.graph_id] for g in self.graphs])
 
+    def reduce_scatter_coverage(self) -> dict:
+        """Gradient reduce-scatter bytes per call (inputs) on the copy engines and on the
+        collective by reason, as compiled; what the run time then did (a bucket over the
+        workspace cap runs the collective) under ``served``; the workspaces' bytes."""
+        ce, coll, by_reason = 0, 0, collections.Counter()
+        for g in self.graphs:
+            for r in getattr(g, "reduce_scatters", ()):
+                if r["kind"] == "ce":
+                    ce += r["bytes"]
+                else:
+                    coll += r["bytes"]
+                    by_reason[r["reason"]] += r["bytes"]
+        from .runtime import reduce_scatter as RS, rs_workspace as RW
+
+        return dict(ce_bytes=ce, collective_bytes=coll, by_reason=dict(by_reason),
+                    share=ce / (ce + coll) if ce + coll else None,
+                    served={k: dataclasses.asdict(v) for k, v in RS.served.items()},
+                    workspace_bytes={f"{list(k[0])}/{k[1]}/{k[2]}": w.nbytes for k, w in RW.pools().items()})
+
     def as_dict(self) -> dict:
         return dict(
             coverage=self.coverage().as_dict(),
+            reduce_scatter_coverage=self.reduce_scatter_coverage(),
             config=self.config,
             graphs=[dataclasses.asdict(g) for g in self.graphs],
             binds=[dataclasses.asdict(b) for b in self.binds],
@@ -233,10 +253,33 @@ class Explanation:
                 else:
                     out.append(f"  overlap  {r['launches']} launch(es), {r['compute_limited']} compute-limited"
                                + ("" if r["valid"] else " (order rejected: unchanged)"))
+            rs = getattr(g, "reduce_scatters", [])
+            if rs:
+                on = [r for r in rs if r["kind"] == "ce"]
+                why = collections.Counter()
+                for r in rs:
+                    if r["kind"] != "ce":
+                        why[r["reason"]] += r["bytes"]
+                out.append(f"  reduce-scatter {len(on)} of {len(rs)} on the copy engines "
+                           f"({sum(r['bytes'] for r in on):,d} of {sum(r['bytes'] for r in rs):,d} B per call)"
+                           + "".join(f"; {nb:,d} B {reason}" for reason, nb in why.most_common()))
         cov = self.coverage()
         for c in cov.per_graph:
             out.append(c.line())
         out.append(cov.total.line())
+        rsc = self.reduce_scatter_coverage()
+        if rsc["share"] is not None:
+            out.append(f"reduce-scatter coverage total: {100 * rsc['share']:.1f}% of "
+                       f"{rsc['ce_bytes'] + rsc['collective_bytes']:,d} reduced B on the copy engines "
+                       f"({rsc['ce_bytes']:,d} B)" + "".join(
+                           f"; {nb:,d} B {reason}" for reason, nb in
+                           sorted(rsc["by_reason"].items(), key=lambda kv: -kv[1])))
+        for name, sv in rsc["served"].items():
+            if sv["collective_bytes"]:
+                out.append(f"  reduce-scatter {name}: {sv['collective_bytes']:,d} B of {sv['calls']} call(s) "
+                           f"ran on the collective: {sv['reason']}")
+        for key, nb in rsc["workspace_bytes"].items():
+            out.append(f"reduce-scatter workspace {key}: {nb:,d} B")
         for i, b in enumerate(self.binds):
             out.append(f"bind {i}: {len(b.bound)} moved into windows ({b.bytes_bound / 2**20:.2f} MiB), "
                        f"{len(b.already_bound)} already bound, {len(b.skipped)} skipped, "

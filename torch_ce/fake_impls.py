@@ -56,3 +56,15 @@ def _ce_stage_fake(params, dtypes, group_sizes, group_names, names, reasons, ref
 @torch.library.register_fake("magi::ce_staged")
 def _ce_staged_fake(params, dtypes, group_names, static=False):
     return [p.new_empty(p.shape, dtype=getattr(torch, d)) for p, d in zip(params, dtypes)]
+
+
+@torch.library.register_fake("magi::ce_reduce_scatter")
+def _ce_reduce_scatter_fake(input: torch.Tensor, reduce_op: str, group_size: int, group_name: str,
+                            name: str = ""):
+    return input.new_empty((input.shape[0] // group_size, *input.shape[1:]))
+
+
+@torch.library.register_fake("magi::ce_reduce_scatter_coalesced")
+def _ce_reduce_scatter_coalesced_fake(inputs, reduce_op: str, group_size: int, group_name: str,
+                                      name: str = ""):
+    return [x.new_empty((x.shape[0] // group_size, *x.shape[1:])) for x in inputs]

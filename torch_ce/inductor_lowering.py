@@ -27,7 +27,8 @@ def register_lowerings() -> None:
     if magi.ce_staged.default not in lowering.lowerings:
         lowering.register_lowering(magi.ce_staged.default, type_promotion_kind=None)(_staged_lowering)
     for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_all_gather_dim, magi.ce_bind,
-               magi.ce_prefetch, magi.ce_gather_rows, magi.ce_stage, magi.ce_all_gather_padded):
+               magi.ce_prefetch, magi.ce_gather_rows, magi.ce_stage, magi.ce_all_gather_padded,
+               magi.ce_reduce_scatter, magi.ce_reduce_scatter_coalesced):
         for overload in op.overloads():
             target = getattr(op, overload)
             if target not in lowering.lowerings:
@@ -69,10 +70,19 @@ def _issues_transfer(snode) -> bool:
 
 def ce_launch_info(snode) -> tuple[int, int, str] | None:
     """(bytes per rank, group size, device type) of a CE gather launch node (a prefetch
-    included), else None."""
+    included), else None. A CE reduce-scatter moves what a gather of its output chunk
+    would (each rank's chunk to each peer): its bytes per rank are its input's / W."""
     magi = torch.ops.magi
     node = getattr(snode, "node", None)
     op = getattr(node, "op_overload", None)
+    if op in (magi.ce_reduce_scatter.default, magi.ce_reduce_scatter_coalesced.default):
+        for origin in getattr(node, "origins", ()) or ():
+            if origin.target is op:
+                xs = origin.args[0] if isinstance(origin.args[0], (list, tuple)) else [origin.args[0]]
+                vals = [x.meta["val"] for x in xs]
+                w = int(origin.args[2])
+                return sum(int(v.numel()) * v.element_size() for v in vals) // w, w, vals[0].device.type
+        return None
     if op not in (magi.ce_all_gather.default, magi.ce_all_gather_coalesced.default,
                   magi.ce_all_gather_dim.default, magi.ce_prefetch.default,
                   magi.ce_all_gather_padded.default):

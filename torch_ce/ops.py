@@ -68,6 +68,19 @@ cast that the gather hands to the collective. ``rows``: padded slots (uneven Sha
 ``static``: an inference graph's cast slots, made once and never refreshed (NOTE [cast
 slots] in runtime/staging.py).
 
+    magi::ce_reduce_scatter(Tensor input, str reduce_op, int group_size, str group_name,
+                            str name="") -> Tensor
+    magi::ce_reduce_scatter_coalesced(Tensor[] inputs, str reduce_op, int group_size,
+                                      str group_name, str name="") -> Tensor[]
+
+A gradient reduce-scatter without a collective (NOTE [copy-engine reduce-scatter] in
+runtime/reduce_scatter.py): the arguments of ``_c10d_functional.reduce_scatter_tensor[
+_coalesced]`` (``reduce_op`` "sum" or "avg", fp32 or bf16 inputs whose dim 0 splits in
+``group_size`` chunks) and the bucket's ``name`` for errors. Output: a fresh
+``[rows / group_size, ...]`` tensor per input, this rank's chunk summed over the group in
+group index order. Nothing to bind first: the receive workspaces are the run time's. On
+the host transport the op completes before it returns (``wait_tensor`` is a no-op).
+
     magi::ce_prefetch(Tensor(a!)[] shards, int group_size, str group_name) -> ()
 
 Gathers the next call's first weights at the end of this one and parks the outputs for
@@ -81,6 +94,7 @@ from typing import Sequence
 import torch
 
 from .runtime import native, prefetch
+from .runtime import reduce_scatter as RS
 from .runtime import windows as W
 from .runtime.gather import gather_rows, gather_slot_dim, gather_slots
 from .runtime.versions import check as check_versions
@@ -306,6 +320,16 @@ def ce_prefetch(shards: list[torch.Tensor], group_size: int, group_name: str) ->
     prefetch.prefetch(shards, group_size, group_name)
 
 
+def ce_reduce_scatter(input: torch.Tensor, reduce_op: str, group_size: int, group_name: str,
+                      name: str = "") -> torch.Tensor:
+    return RS.reduce_scatter([input], reduce_op, group_size, group_name, name)[0]
+
+
+def ce_reduce_scatter_coalesced(inputs: list[torch.Tensor], reduce_op: str, group_size: int,
+                                group_name: str, name: str = "") -> list[torch.Tensor]:
+    return RS.reduce_scatter(inputs, reduce_op, group_size, group_name, name)
+
+
 def ce_bind(shards, group_sizes, group_names, names, reasons, rows=()) -> None:
     from .runtime.bind_step import run_bind_step
 
@@ -331,6 +355,10 @@ _lib.define("ce_staged(Tensor[] params, str[] dtypes, str[] group_names, bool st
 _lib.define("ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_name, "
             "int padded_rows=0, int rows=0) -> Tensor")
 _lib.define("ce_all_gather_padded(Tensor shard, int rows, int group_size, str group_name) -> Tensor")
+_lib.define("ce_reduce_scatter(Tensor input, str reduce_op, int group_size, str group_name, "
+            "str name=\"\") -> Tensor")
+_lib.define("ce_reduce_scatter_coalesced(Tensor[] inputs, str reduce_op, int group_size, "
+            "str group_name, str name=\"\") -> Tensor[]")
 # The Python kernel under its own name: the C++ kernels hand it every bucket they do not
 # serve (NOTE [native gather path] in csrc/ce_ops.cu). Never traced, so no fake impl.
 _private = torch.library.Library("torch_ce", "DEF")
@@ -339,6 +367,7 @@ _private.define("gather_dim_python(Tensor shard, int group_size, str group_name,
 
 _native = native.load()
 W.on_release(native.clear)
+W.on_release(RS.release)
 for _key in ("CPU", "CUDA"):
     _private.impl("gather_python", gather, _key)
     _private.impl("gather_dim_python", ce_all_gather_dim, _key)
@@ -349,6 +378,8 @@ for _key in ("CPU", "CUDA"):
     _lib.impl("ce_gather_rows", ce_gather_rows, _key)  # one per forward: Python is fine
     # Python on CUDA too: it hands the padded slot's full view to the C++ gather.
     _lib.impl("ce_all_gather_padded", ce_all_gather_padded, _key)
+    _lib.impl("ce_reduce_scatter", ce_reduce_scatter, _key)
+    _lib.impl("ce_reduce_scatter_coalesced", ce_reduce_scatter_coalesced, _key)
     if _key == "CUDA" and _native:
         continue  # the C++ kernels are registered for CUDA by the library itself
     _lib.impl("ce_all_gather", ce_all_gather, _key)

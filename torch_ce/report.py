@@ -84,6 +84,9 @@ class GraphRecord:
     buckets: list = dataclasses.field(default_factory=list)  # dicts: kind, members, bytes
     reorder: dict = dataclasses.field(default_factory=dict)
     prefetch: dict = dataclasses.field(default_factory=dict)  # members, bytes (gathered)
+    # One dict per gradient reduce-scatter: name, bytes (input, per call), kind ("ce" or
+    # "collective"), reason, group (passes/reduce_scatter.py).
+    reduce_scatters: list = dataclasses.field(default_factory=list)
 
     @property
     def refusal_counts(self) -> dict:

@@ -32,7 +32,7 @@ from .. import report
 from ..config import config
 from . import bucket as bucket_mod, census, fx_utils as U
 from . import gate as gate_mod, param_names, plan as plan_mod, prefetch as prefetch_mod, rewrite as rewrite_mod
-from . import rows as rows_mod
+from . import reduce_scatter as rs_mod, rows as rows_mod
 from .identity import identity, note_mesh_dims
 
 log = logging.getLogger("torch_ce")
@@ -85,11 +85,18 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None, *,
     # NOTE [every gather is counted] in census.py: bucketed forms are counted, not judged.
     seeds = [s for s in gate_mod.gate(graph, config, is_inference) if census.judged_by_gate(s.gather)]
     others = census.bucketed_gathers(graph)
+    # NOTE [copy-engine reduce-scatter] in runtime/reduce_scatter.py: the gradients' own pass.
+    scatters = rs_mod.rewrite(graph, config)
     if not seeds:
-        if others:
-            return record_unserved(graph, census.BUCKETED, others=others)
-        return None
+        rec = record_unserved(graph, census.BUCKETED, others=others) if others else None
+        if scatters:
+            rec = rec or report.new_graph(config.transport)
+            rec.reduce_scatters.extend(scatters)
+            _log_scatters(rec)
+            _recompile(graph)
+        return rec
     rec = report.new_graph(config.transport)
+    rec.reduce_scatters.extend(scatters)
     refused_whole = gate_mod.graph_reason(graph, is_inference, config)
     # NOTE [unread gathers] in gate.py: dropped on every rank before anything is planned.
     gate_mod.drop_unread(graph, seeds)
@@ -147,10 +154,7 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None, *,
             rec.refused.append(report.RefusedWeight(**common, reason=str(why), code=int(why.code)))
     _add_unserved(rec, others, census.BUCKETED)
     rec.buckets.extend(bucket_rows(buckets))
-    graph.lint()
-    gm = graph.owning_module
-    if gm is not None:
-        gm.recompile()
+    _recompile(graph)
     counts = collections.Counter(r.reason for r in rec.refused)
     log.info(
         "torch_ce: graph %d: %d gather(s) -> copy engine (%.1f MiB, %d bucket(s), bind step %s, "
@@ -162,7 +166,26 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None, *,
          "staged (refresh + fences)" if bind_node.args[-1] else "staged (read only)"),
         sum(1 for rw in row_weights if rw.reason is None), len(rec.refused), dict(counts) if counts else "", pf_what,
     )
+    _log_scatters(rec)
     return rec
+
+
+def _recompile(graph: fx.Graph) -> None:
+    graph.lint()
+    gm = graph.owning_module
+    if gm is not None:
+        gm.recompile()
+
+
+def _log_scatters(rec: report.GraphRecord) -> None:
+    rows = rec.reduce_scatters
+    if not rows:
+        return
+    ce = [r for r in rows if r["kind"] == "ce"]
+    why = collections.Counter(r["reason"] for r in rows if r["kind"] != "ce")
+    log.info("torch_ce: graph %d: %d of %d reduce-scatter(s) -> copy engine (%.1f of %.1f MiB)%s",
+             rec.graph_id, len(ce), len(rows), sum(r["bytes"] for r in ce) / 2**20,
+             sum(r["bytes"] for r in rows) / 2**20, f"; on the collective: {dict(why)}" if why else "")
 
 
 def bucket_rows(buckets: list) -> list[dict]:
