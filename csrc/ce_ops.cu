@@ -719,6 +719,47 @@ std::string build_info() {
   return tool + ";" + std::to_string(CUDART_VERSION) + ";" + rows;
 }
 
+// NOTE [stream flags] (the copy-engine reduce-scatter's signals: NOTE
+// [copy-engine reduce-scatter] in torch_ce/runtime/reduce_scatter.py). A flag is
+// a 32-bit word in a workspace: written by the GPU front end in stream order
+// (cuStreamWriteValue32) and waited on by it (cuStreamWaitValue32: the stream
+// waits, no SM kernel spins). torch has the write (symm_mem's
+// stream_write_value32_) but no wait, so both are here, through the driver
+// entry points (no link against libcuda). Both are capturable: a captured wait
+// is waited again at each replay.
+using StreamWaitValue32Fn = int (*)(cudaStream_t, unsigned long long, unsigned int, unsigned int);
+using StreamWriteValue32Fn = int (*)(cudaStream_t, unsigned long long, unsigned int, unsigned int);
+
+void* driver_entry(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+#if CUDART_VERSION >= 12050
+  cudaError_t err = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q);
+#else
+  cudaError_t err = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &q);
+#endif
+  TORCH_CHECK(err == cudaSuccess && q == cudaDriverEntryPointSuccess && fn != nullptr,
+              "torch_ce: the CUDA driver has no ", name, " (", cudaGetErrorString(err), ")");
+  return fn;
+}
+
+void stream_wait_value32(int64_t addr, int64_t value) {
+  static auto fn = reinterpret_cast<StreamWaitValue32Fn>(driver_entry("cuStreamWaitValue32"));
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  // CU_STREAM_WAIT_VALUE_EQ (1): the flag is exactly 0 or 1.
+  int rc = fn(stream, static_cast<unsigned long long>(addr), static_cast<unsigned int>(value), 1u);
+  TORCH_CHECK(rc == 0, "torch_ce: cuStreamWaitValue32 failed (CUresult ", rc, ")");
+}
+
+void stream_write_value32(int64_t addr, int64_t value) {
+  static auto fn = reinterpret_cast<StreamWriteValue32Fn>(driver_entry("cuStreamWriteValue32"));
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  // CU_STREAM_WRITE_VALUE_DEFAULT (0): ordered after the stream's earlier work,
+  // its writes (the pushed slices) visible before the flag.
+  int rc = fn(stream, static_cast<unsigned long long>(addr), static_cast<unsigned int>(value), 0u);
+  TORCH_CHECK(rc == 0, "torch_ce: cuStreamWriteValue32 failed (CUresult ", rc, ")");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torch_ce_native, m) {
@@ -742,6 +783,8 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("dim_strategy() -> int", &dim_strategy);
   m.def("watch_slot(int key, Tensor[] watched, bool poisoned) -> bool");
   m.def("stale_count(Tensor[] shards) -> int", &stale_count);
+  m.def("stream_wait_value32(int addr, int value) -> ()", &stream_wait_value32);
+  m.def("stream_write_value32(int addr, int value) -> ()", &stream_write_value32);
 }
 
 TORCH_LIBRARY_IMPL(torch_ce_native, CompositeImplicitAutograd, m) {

@@ -252,6 +252,12 @@ def gathers_left(gm) -> list[str]:
             if n.op == "call_function" and any(t in str(n.target) for t in GATHER_TARGETS)]
 
 
+def scatters_left(gm) -> list[str]:
+    """Collective reduce-scatter nodes left in a final graph module's FX graph."""
+    return [f"{n.name}: {n.target}" for n in gm.graph.nodes
+            if n.op == "call_function" and "_c10d_functional.reduce_scatter" in str(n.target)]
+
+
 class LogLines(logging.Handler):
     """The ``torch_ce`` logger's records of INFO and above while in use, as (level, text)."""
 
@@ -305,6 +311,7 @@ def one_run(family, pdims, world, rank, seed, *, mode, pipeline, enable=False, e
         losses = train(tr, net, batches(cfg.model_spec.model.vocab_size, world, rank, seed, steps), world)
         gm = tr._traced_step.gm if tr._traced_step is not None else None  # jit: no traced step
         left = gathers_left(gm) if isinstance(gm, torch.fx.GraphModule) else None
+        rs_left = scatters_left(gm) if isinstance(gm, torch.fx.GraphModule) else None
         captured = getattr(getattr(gm, "forward", None), "_cudagraph", None) is not None
         e = torch_ce.explain()
         cov = e.coverage()
@@ -318,7 +325,8 @@ def one_run(family, pdims, world, rank, seed, *, mode, pipeline, enable=False, e
         return dict(losses=losses, left=left, share=cov.total.share, ce_bytes=cov.total.ce_bytes,
                     collective_bytes=cov.total.collective_bytes, by_reason=dict(cov.total.by_reason),
                     graphs=len(e.graphs), names=names, table=e.table(), seconds=time.monotonic() - t0,
-                    placements=placements, captured=captured, cpu_seconds=cpu, log=list(lines.lines))
+                    placements=placements, captured=captured, cpu_seconds=cpu, log=list(lines.lines),
+                    rs_left=rs_left, rs=e.reduce_scatter_coverage())
     finally:
         lines.__exit__(None, None, None)
         if enable:

@@ -136,19 +136,26 @@ def run(gm: fx.GraphModule, state: JointRun) -> report.GraphRecord | None:
         return [bucket_mod.Bucket([s], s.eligible, s.gather) for s in seeds]
 
     with _facts(gm.graph, state.facts):
-        state.record = manager.run_passes(gm.graph, is_inference=False, bucketer=keep_single)
+        # The reduce-scatters wait for the caller's bucketing: ``launch`` retargets them.
+        state.record = manager.run_passes(gm.graph, is_inference=False, bucketer=keep_single, scatters=False)
     gm.recompile()
     return state.record
 
 
 def launch(gm: fx.GraphModule, state: JointRun) -> list:
     """The CE gathers ``run`` left coalesced along the plan and launched one bucket early
-    (program-adjacent buckets without a plan); the record lists the buckets."""
+    (program-adjacent buckets without a plan), and the caller's gradient reduce-scatters,
+    bucketed by it, retargeted (``reduce_scatter="copy_engine"``); the record lists both."""
     # A refused gather stayed a plain collective, which the caller's own bucketing may have
     # replaced since ``run``: only the gathers still in the graph are left to bucket.
     live = set(gm.graph.nodes)
     seeds = [s for s in state.seeds if s.gather in live]
+    # NOTE [copy-engine reduce-scatter]: the caller's reduce-scatter buckets, as it made them.
+    with config.patch(transport="copy_engine"):
+        state.record = manager.add_scatters(gm.graph, state.record)
     if not seeds:
+        gm.graph.lint()
+        gm.recompile()
         return []
     with config.patch(transport="copy_engine"):
         if state.plans is not None and state.module_fqn is not None:

@@ -71,10 +71,11 @@ def decided_before_inductor() -> Iterator[None]:
 
 
 def run_passes(graph: fx.Graph, is_inference: bool | None = None, *,
-               bucketer: Callable | None = None) -> report.GraphRecord | None:
+               bucketer: Callable | None = None, scatters: bool = True) -> report.GraphRecord | None:
     """gate -> plan -> rewrite -> rows -> bucket -> prefetch on one post-grad graph
-    (copy_engine). ``bucketer(graph, seeds, config) -> [Bucket]`` replaces the
-    program-adjacent bucketing (``bucket.bucket``)."""
+    (copy_engine), and the gradient reduce-scatters (``scatters``: a joint graph's wait for
+    its caller's bucketing, passes/joint.py). ``bucketer(graph, seeds, config) -> [Bucket]``
+    replaces the program-adjacent bucketing (``bucket.bucket``)."""
     if config.transport != "copy_engine":
         # The graph stays as it is; its gathers are counted (NOTE [every gather is counted]).
         return record_unserved(graph, census.NCCL_TRANSPORT)
@@ -86,7 +87,7 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None, *,
     seeds = [s for s in gate_mod.gate(graph, config, is_inference) if census.judged_by_gate(s.gather)]
     others = census.bucketed_gathers(graph)
     # NOTE [copy-engine reduce-scatter] in runtime/reduce_scatter.py: the gradients' own pass.
-    scatters = rs_mod.rewrite(graph, config)
+    scatters = rs_mod.rewrite(graph, config) if scatters else []
     if not seeds:
         rec = record_unserved(graph, census.BUCKETED, others=others) if others else None
         if scatters:
@@ -175,6 +176,17 @@ def _recompile(graph: fx.Graph) -> None:
     gm = graph.owning_module
     if gm is not None:
         gm.recompile()
+
+
+def add_scatters(graph: fx.Graph, rec: report.GraphRecord | None) -> report.GraphRecord | None:
+    """The gradient reduce-scatters of ``graph`` retargeted (passes/reduce_scatter.py) and
+    added to ``rec`` (a new record when there is none and the graph has some)."""
+    rows = rs_mod.rewrite(graph, config)
+    if rows:
+        rec = rec or report.new_graph(config.transport)
+        rec.reduce_scatters.extend(rows)
+        _log_scatters(rec)
+    return rec
 
 
 def _log_scatters(rec: report.GraphRecord) -> None:

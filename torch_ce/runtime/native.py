@@ -335,3 +335,19 @@ def set_prefetch_pending(pending: bool) -> None:
     knows the park (NOTE [cross-call prefetch] in prefetch.py)."""
     if loaded():
         torch.ops.torch_ce_native.set_prefetch_pending(bool(pending))
+
+
+def has_stream_flags() -> bool:
+    """Whether the loaded library has the stream flag ops (NOTE [stream flags] in
+    csrc/ce_ops.cu): what the CUDA reduce-scatter signals and waits with."""
+    return load() and hasattr(torch.ops.torch_ce_native, "stream_wait_value32")
+
+
+def stream_wait_value32(addr: int, value: int) -> None:
+    """The current stream waits until the 32-bit word at ``addr`` equals ``value``."""
+    torch.ops.torch_ce_native.stream_wait_value32(int(addr), int(value))
+
+
+def stream_write_value32(addr: int, value: int) -> None:
+    """The current stream writes ``value`` to the 32-bit word at ``addr``, after its work."""
+    torch.ops.torch_ce_native.stream_write_value32(int(addr), int(value))
