@@ -36,17 +36,26 @@ FAST_TESTS="test/test_build.py test/test_torch_features.py test/test_graph_train
 # weight updates; graph_trainer's step under full Inductor).
 FAST_SLOW="*test_moe_experts_on_their_own_mesh*,*test_torch_ce_pipeline_against_default_slow*qwen3_moe-full-1block*"
 
+# The copy-engine reduce-scatter's slow cases (issue 37: world 4 under EP and HSDP, world
+# 3 with uneven shards, Qwen3-MoE and bf16 at world 2, graph_trainer under full Inductor),
+# shared between the fast legs for CI's time; each leg runs its own as node ids.
+RS_TRAIN="test/test_reduce_scatter_training.py::test_trains_with_every_reduce_scatter_on_ce"
+RS_2141="$RS_TRAIN[qwen3_moe-w4-ep] $RS_TRAIN[llama3-w3-uneven] test/test_reduce_scatter_graph_trainer.py::test_every_gradient_reduce_scatter_on_ce_full_inductor"
+RS_211="$RS_TRAIN[qwen3_moe-w4-hsdp] $RS_TRAIN[qwen3_moe-w2-fp32] $RS_TRAIN[llama3-w2-bf16] test/test_reduce_scatter_host.py::test_protocol_with_a_late_rank[4]"
+RS_SLOW="*test_reduce_scatter_*"
+
 # Files none of whose default cases may skip where this leg's torch supports them
 # (test/conftest.py: a skip for another reason than a slow case, no GPU or graph_trainer not
 # importable on this torch, named, fails the tests step).
 NO_SKIP="test_graph_trainer*.py"
 
-# name | what installs its torch (README: the README's own first command) | tests
+# name | what installs its torch (README: the README's own first command) | tests | the
+# slow cases it runs all the same (TORCH_CE_RUN_SLOW)
 LEGS=(
-    "2.13|README|README"
-    "2.14.1|.ci/requirements-2.14.1.txt|$FAST_TESTS"
-    "2.11|.ci/requirements-2.11.txt|$FAST_TESTS"
-    "2.15|.ci/requirements-2.15.txt|README"
+    "2.13|README|README|"
+    "2.14.1|.ci/requirements-2.14.1.txt|$FAST_TESTS $RS_2141|$FAST_SLOW,$RS_SLOW"
+    "2.11|.ci/requirements-2.11.txt|$FAST_TESTS $RS_211|$FAST_SLOW,$RS_SLOW"
+    "2.15|.ci/requirements-2.15.txt|README|"
 )
 
 CI_START=$(date +%s)
@@ -87,7 +96,7 @@ ci_step() {
 
 # ci_leg NAME TORCH TESTS README_INSTALL README_TEST: one leg, recorded in CI_SUMMARY.
 ci_leg() {
-    local name=$1 torch_req=$2 tests=$3 readme_install=$4 readme_test=$5
+    local name=$1 torch_req=$2 tests=$3 slow=$4 readme_install=$5 readme_test=$6
     local t0 tmp venv install run="" test_cmd result="" torch_v="-" i_s=- r_s=- t_s=- cpu=0 seg
     t0=$(date +%s)
     echo
@@ -143,7 +152,7 @@ ci_leg() {
                 if [ "$STEP_RC" -ne 0 ]; then result="failed: demo exit $STEP_RC"; fi
             fi
             export TORCH_CE_NO_SKIP=$NO_SKIP
-            if [ "$tests" = "$FAST_TESTS" ]; then export TORCH_CE_RUN_SLOW=$FAST_SLOW; fi
+            if [ -n "$slow" ]; then export TORCH_CE_RUN_SLOW=$slow; fi
             ci_step "$name" tests "$test_cmd"
             unset TORCH_CE_NO_SKIP TORCH_CE_RUN_SLOW
             t_s=$STEP_S cpu=$((cpu + STEP_CPU))
@@ -167,12 +176,12 @@ ci_leg() {
 # ci_legs README_INSTALL README_TEST: every leg (or those CE_CI_LEGS names), then the summary;
 # returns 1 if any leg failed.
 ci_legs() {
-    local spec name torch_req tests
+    local spec name torch_req tests slow
     trap ci_cleanup EXIT
     for spec in "${LEGS[@]}"; do
-        IFS='|' read -r name torch_req tests <<<"$spec"
+        IFS='|' read -r name torch_req tests slow <<<"$spec"
         if [ -n "${CE_CI_LEGS:-}" ] && [[ " $CE_CI_LEGS " != *" $name "* ]]; then continue; fi
-        ci_leg "$name" "$torch_req" "$tests" "$1" "$2"
+        ci_leg "$name" "$torch_req" "$tests" "$slow" "$1" "$2"
     done
     echo
     echo "ci: summary (wall seconds, and the CPU seconds of the leg's steps; total $(($(date +%s) - CI_START)) s)"

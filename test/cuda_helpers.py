@@ -54,3 +54,36 @@ def register_loopback(mine: torch.Tensor, peer: torch.Tensor, group, rank: int =
     slot.peer_views = list(pair)
     W.register(mine, slot)
     return slot
+
+
+def loopback_workspaces(world: int, cap: int, dtype: torch.dtype, device="cuda") -> list:
+    """``world`` reduce-scatter workspaces on one GPU, each "rank"'s peers the others
+    (NOTE [reduce-scatter workspaces] in torch_ce/runtime/rs_workspace.py): what
+    ``_open_cuda`` builds over symmetric memory, built from plain device tensors, so one
+    process plays every rank of a call (launch each, then complete each: the order the
+    protocol's waits need, NOTE [copy-engine reduce-scatter]). Each has its own pool key.
+    Used by test/test_reduce_scatter_cuda.py and, by path, bench/rs_cost.py."""
+    from torch_ce.runtime import rs_workspace as RW
+
+    recvs = [torch.zeros(2, world, cap, dtype=dtype, device=device) for _ in range(world)]
+    flags = [torch.zeros(2, 2, world, dtype=torch.int32, device=device) for _ in range(world)]
+    for f in flags:
+        f[RW.FREE].fill_(1)
+    torch.cuda.synchronize()
+    key = ("loopback", id(recvs))
+    return [RW.Workspace((tuple(range(world)), str(dtype), "cuda", key, r), r, cap, dtype, recvs[r], flags[r],
+                         recvs, flags, [], "") for r in range(world)]
+
+
+def loopback_reduce_scatter(wss: list, inputs: list, reduce_op: str = "sum", name: str = "loopback") -> list:
+    """One reduce-scatter of every "rank"'s ``inputs[r]`` (a list of tensors) over the
+    loopback workspaces: each launches, then each completes; the current stream then waits
+    for every completion. Returns each rank's outputs."""
+    from torch_ce.runtime import reduce_scatter as RS
+
+    calls = [RS.launch(ws, xs, reduce_op, name) for ws, xs in zip(wss, inputs, strict=True)]
+    for c in calls:
+        RS.complete(c)
+    for c in calls:
+        torch.cuda.current_stream().wait_event(c.done)
+    return [c.outs for c in calls]

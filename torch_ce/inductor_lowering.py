@@ -26,6 +26,9 @@ def register_lowerings() -> None:
     magi = torch.ops.magi
     if magi.ce_staged.default not in lowering.lowerings:
         lowering.register_lowering(magi.ce_staged.default, type_promotion_kind=None)(_staged_lowering)
+    for op in (magi.ce_reduce_scatter.default, magi.ce_reduce_scatter_coalesced.default):
+        if op not in lowering.lowerings:
+            lowering.register_lowering(op, type_promotion_kind=None)(functools.partial(_reduce_scatter_lowering, op))
     for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_all_gather_dim, magi.ce_bind,
                magi.ce_prefetch, magi.ce_gather_rows, magi.ce_stage, magi.ce_all_gather_padded,
                magi.ce_reduce_scatter, magi.ce_reduce_scatter_coalesced):
@@ -53,6 +56,22 @@ def _staged_lowering(*args, **kwargs):
     outs = lowering.fallback_handler(torch.ops.magi.ce_staged.default, add_to_fallback_set=False)(*args, **kwargs)
     for o in outs:
         V.graph.never_reuse_buffers.add(o.get_name())
+    return outs
+
+
+def _reduce_scatter_lowering(op, inputs, *args, **kwargs):
+    """A CE reduce-scatter as a FallbackKernel whose inputs Inductor never reuses: on CUDA
+    its copy and reduce streams read them until its wait (NOTE [copy-engine
+    reduce-scatter]), and Inductor's memory planner only knows the current stream."""
+    from torch._inductor import lowering
+    from torch._inductor.virtualized import V
+
+    outs = lowering.fallback_handler(op, add_to_fallback_set=False)(inputs, *args, **kwargs)
+    for x in inputs if isinstance(inputs, (list, tuple)) else [inputs]:
+        try:
+            V.graph.never_reuse_buffers.add(x.get_name())
+        except (AttributeError, NotImplementedError):
+            pass  # not a buffer (a view of one: its base is then kept by the view's users)
     return outs
 
 

@@ -9,15 +9,21 @@ compiled with plain ``torch.compile``. Two variants, each a fresh compile of a f
 built from the same seed, both with FSDP's reshard after forward (the backward gathers each
 weight again; NOTE [reshard after forward] in passes/reshard.py):
 
-  nccl   torch_ce.enable(transport="nccl", reshard_after_forward=True)
-  ce     torch_ce.enable(transport="copy_engine")   forward and backward gathers on the
-         copy engines, staged slots refreshed between two step fences (runtime/staging.py)
+  nccl     torch_ce.enable(transport="nccl", reshard_after_forward=True)
+  ce       torch_ce.enable(transport="copy_engine")   forward and backward gathers on the
+           copy engines, staged slots refreshed between two step fences (runtime/staging.py);
+           the gradient reduce-scatters on NCCL
+  ce_rs    the same with reduce_scatter="copy_engine": the reduce-scatters pushed into the
+           peers' workspaces too (NOTE [copy-engine reduce-scatter]), no NCCL kernel left
+  nccl_lc  (``--variants``, torch >= 2.14) NCCL gathers, and Inductor's low-contention
+           collectives (``aten_distributed_optimizations.enable_low_contention_collectives``,
+           every size): its barrier + copy-engine reduce-scatter
 
-Reduce-scatters stay on NCCL in both. Then both again as ``nccl_det`` / ``ce_det`` under
+``--variants`` picks (default ``nccl,ce,ce_rs``). Then each again as ``<variant>_det`` under
 ``torch.use_deterministic_algorithms(True)``: GPU training kernels are not bit-reproducible
 by default (two NCCL runs differ in the 5th digit: atomics in the embedding backward, say),
-so the loss check compares the deterministic pair, step by step, bit for bit; the timed pair
-runs in the default mode. Reports ms per training step (median of per-step CUDA events
+so the loss check compares each deterministic run with ``nccl_det``, step by step, bit for
+bit at 2 ranks; the timed runs are in the default mode. Reports ms per training step (median of per-step CUDA events
 around forward + backward + optimizer step), CE/NCCL, every step's loss, peak allocated
 memory per variant, and the staging
 memory (windows reserved and filled) against the statement (one slot per gathered weight in
@@ -36,8 +42,8 @@ from . import ranks as R
 from .e2e_variant import cleanup, fresh_caches
 from .zoo import MODELS
 
-VARIANTS = ("nccl", "ce")  # timed
-CHECKED = ("nccl_det", "ce_det")  # deterministic algorithms: the bit-for-bit loss check
+VARIANTS = ("nccl", "ce", "ce_rs")  # timed, by default
+KNOWN = VARIANTS + ("nccl_lc",)
 TARGET = 0.90  # CE/NCCL step time
 
 
@@ -57,8 +63,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="gradient reduce-scatter dtype (default fp32, torchtitan's default)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, nccl first (known: {','.join(KNOWN)}; default {','.join(VARIANTS)})")
     C.add_common_args(p, timeout_s=580)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    names = [v for v in a.variants.split(",") if v]
+    bad = [v for v in names if v not in KNOWN]
+    if bad or not names or names[0] != "nccl":
+        p.error(f"--variants {a.variants!r}: known {KNOWN}, nccl first (every ratio is against it)")
+    a.variants = names
+    return a
+
+
+def _checked(names) -> list:
+    """The deterministic runs of ``names`` (the bit-for-bit loss check)."""
+    return [f"{n}_det" for n in names]
 
 
 def main(argv=None) -> int:
@@ -100,10 +119,14 @@ def _run(name: str, a: dict, dev, mesh, tokens):
     rd = torch.bfloat16 if a["reduce_dtype"] == "bf16" else torch.float32
     model = zoo.build_for_training(a, dev, a["seed"], mesh, pd, rd)
     opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], foreach=True)
-    if name.startswith("nccl"):
+    base = name.removesuffix("_det")
+    lc = _low_contention(torch) if base == "nccl_lc" else None
+    if base.startswith("nccl"):
         torch_ce.enable(transport="nccl", reshard_after_forward=True)
     else:
-        torch_ce.enable(transport="copy_engine")
+        torch_ce.enable(transport="copy_engine", reduce_scatter="copy_engine" if base == "ce_rs" else "collective")
+    if lc is not None:
+        lc.__enter__()
     compiled = torch.compile(model)
     if R.is_cuda():
         torch.cuda.reset_peak_memory_stats(dev)
@@ -129,18 +152,37 @@ def _run(name: str, a: dict, dev, mesh, tokens):
         losses.append(value)  # every step, the warm-up ones included
         if i >= a["warmup"]:
             times.append(ms)
+    if lc is not None:
+        lc.__exit__(None, None, None)
     out = dict(ms=statistics.median(times), ms_all=[round(t, 3) for t in times], losses=losses)
     if R.is_cuda():
         out["peak_alloc_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-    if name == "ce":  # (before cleanup: it releases the windows)
+    if name in ("ce", "ce_rs"):  # (before cleanup: it releases the windows)
         reserved, used = _windows_bytes()
+        e = torch_ce.explain()
+        rs = e.reduce_scatter_coverage()
         out.update(windows_reserved=reserved, windows_used=used,
                    staging_statement=_staging_statement(model, pd or torch.float32),
-                   explain=torch_ce.explain().table().splitlines()[:6])
+                   rs_share=rs["share"], rs_workspace_bytes=sum(rs["workspace_bytes"].values()),
+                   explain=e.table().splitlines()[:6])
     cleanup(torch, torch_ce)
     torch.use_deterministic_algorithms(False)
     del model, opt, compiled
     return out
+
+
+def _low_contention(torch):
+    """Inductor's low-contention collectives at every size (a config patch), or an error
+    naming what this torch lacks."""
+    import torch._inductor.config as ic
+
+    opts = getattr(ic, "aten_distributed_optimizations", None)
+    if opts is None or not hasattr(opts, "enable_low_contention_collectives"):
+        raise RuntimeError(f"nccl_lc: torch {torch.__version__} has no Inductor low-contention collectives "
+                           "(aten_distributed_optimizations.enable_low_contention_collectives, torch >= 2.14)")
+    return ic.patch({"aten_distributed_optimizations.enable_overlap_scheduling": True,
+                     "aten_distributed_optimizations.enable_low_contention_collectives": True,
+                     "aten_distributed_optimizations.low_contention_min_bytes_per_rank": 0})
 
 
 def _worker(rank: int, world: int, a: dict) -> None:
@@ -159,11 +201,12 @@ def _worker(rank: int, world: int, a: dict) -> None:
     g = torch.Generator(device=dev).manual_seed(a["seed"] + 1000 + rank)  # data differs per rank
     tokens = [torch.randint(0, V, (1, a["tokens"] + 1), device=dev, generator=g) for _ in range(4)]
     res = {}
-    for name in VARIANTS + CHECKED:
+    names, checked = a["variants"], _checked(a["variants"])
+    for name in names + checked:
         try:
             res[name] = _run(name, a, dev, mesh, tokens)
         except RuntimeError as e:  # a kernel without a deterministic implementation, say
-            if name not in CHECKED:
+            if name not in checked:
                 raise
             C.log(f"{name}: failed: {C.short_error(e)}")
             res[name] = dict(ms=float("nan"), losses=[], error=C.short_error(e))
@@ -173,29 +216,37 @@ def _worker(rank: int, world: int, a: dict) -> None:
     everyone = R.exchange(res, R.status_group())
     if rank != 0:
         return
-    ratio = [r["ce"]["ms"] / r["nccl"]["ms"] for r in everyone]
-    same = [bool(r["ce_det"]["losses"]) and r["ce_det"]["losses"] == r["nccl_det"]["losses"] for r in everyone]
-    timed_diff = max(abs(x - y) for r in everyone for x, y in zip(r["ce"]["losses"], r["nccl"]["losses"], strict=True))
-    ce0 = everyone[0]["ce"]
-    payload = dict(args=a, world=world, per_rank=everyone,
-                   ce_over_nccl=max(ratio), losses_identical=all(same),
-                   timed_pair_max_loss_diff=timed_diff,
-                   targets=[C.target("CE/NCCL training step time", max(ratio), "<=", TARGET)])
+    others = [n for n in names if n != "nccl"]
+    ratios = {n: max(r[n]["ms"] / r["nccl"]["ms"] for r in everyone) for n in others}
+    same = {n: all(bool(r[f"{n}_det"]["losses"]) and r[f"{n}_det"]["losses"] == r["nccl_det"]["losses"]
+                   for r in everyone) for n in others}
+    timed_diff = {n: max(abs(x - y) for r in everyone for x, y in zip(r[n]["losses"], r["nccl"]["losses"], strict=True))
+                  for n in others}
+    ce0 = everyone[0].get("ce") or everyone[0].get("ce_rs") or {}
+    payload = dict(args=a, world=world, per_rank=everyone, over_nccl=ratios,
+                   ce_over_nccl=ratios.get("ce"), losses_identical=same,
+                   timed_max_loss_diff=timed_diff,
+                   targets=[C.target(f"{n}/NCCL training step time", ratios[n], "<=", TARGET)
+                            for n in others if n.startswith("ce")])
     tag = C.gpu_tag()
     suffix = "" if (a["tokens"], a["param_dtype"], a["reduce_dtype"]) == (2048, "bf16", "fp32") else \
         f"_{a['tokens']}_{a['param_dtype']}_{a['reduce_dtype']}"
     path = os.path.join(a["out"], f"train_{a['model']}{suffix}_{tag}_w{world}.json")
     C.write_json(path, payload, C.env_info(world))
     C.save_png(path[:-5] + ".png", lambda plt: _draw(plt, everyone, a))
-    rows = [[name, f"{everyone[0][name]['ms']:.2f}", f"{everyone[0][name].get('peak_alloc_gib', 0):.2f}"]
-            for name in VARIANTS + CHECKED]
-    print(C.format_table(["variant", "ms/step (rank 0)", "peak alloc GiB"], rows), flush=True)
-    print(f"CE/NCCL (worst rank): {max(ratio):.3f}; deterministic pair: losses identical on every "
-          f"rank over {a['warmup'] + a['steps']} steps: {all(same)} (timed pair: max |diff| {timed_diff:.2e})", flush=True)
-    print(f"staging: statement {ce0['staging_statement'] / 2**20:.1f} MiB, windows filled "
-          f"{ce0['windows_used'] / 2**20:.1f} MiB, reserved {ce0['windows_reserved'] / 2**20:.1f} MiB; "
-          f"peak allocated CE - NCCL {(ce0.get('peak_alloc_gib', 0) - everyone[0]['nccl'].get('peak_alloc_gib', 0)) * 1024:.1f} MiB "
-          "(windows are outside the caching allocator)", flush=True)
+    rows = [[name, f"{everyone[0][name]['ms']:.2f}", f"{everyone[0][name].get('peak_alloc_gib', 0):.2f}",
+             f"{everyone[0][name].get('rs_workspace_bytes', 0) / 2**20:.1f}"]
+            for name in names + checked]
+    print(C.format_table(["variant", "ms/step (rank 0)", "peak alloc GiB", "RS workspace MiB"], rows), flush=True)
+    for n in others:
+        print(f"{n}/NCCL (worst rank): {ratios[n]:.3f}; {n}_det's losses identical to nccl_det's on every "
+              f"rank over {a['warmup'] + a['steps']} steps: {same[n]} (timed: max |diff| {timed_diff[n]:.2e})",
+              flush=True)
+    if ce0:
+        print(f"staging: statement {ce0['staging_statement'] / 2**20:.1f} MiB, windows filled "
+              f"{ce0['windows_used'] / 2**20:.1f} MiB, reserved {ce0['windows_reserved'] / 2**20:.1f} MiB; "
+              f"peak allocated CE - NCCL {(ce0.get('peak_alloc_gib', 0) - everyone[0]['nccl'].get('peak_alloc_gib', 0)) * 1024:.1f} MiB "
+              "(windows and reduce-scatter workspaces are outside the caching allocator)", flush=True)
     for t in payload["targets"]:
         print(C.format_target(t), flush=True)
     print(f"wrote {path}", flush=True)
@@ -204,14 +255,14 @@ def _worker(rank: int, world: int, a: dict) -> None:
 def _draw(plt, everyone, a):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     r0 = everyone[0]
-    names = list(VARIANTS)
-    ax1.bar(names, [r0[n]["ms"] for n in names], color=["#888888", "#2a7ab9"])
+    names = list(a["variants"])
+    ax1.bar(names, [r0[n]["ms"] for n in names], color=["#888888", "#2a7ab9", "#3fa34d", "#c0792a"][:len(names)])
     for i, n in enumerate(names):
         ax1.text(i, r0[n]["ms"], f"{r0[n]['ms']:.1f} ms", ha="center", va="bottom")
     ax1.set_ylabel("ms per training step (median, rank 0)")
     ax1.set_title(f"{a['model']} {a['layers']} layers, {a['tokens']} tokens, {a['param_dtype']}")
-    for n, style in zip(names + list(CHECKED), ("-", "--", ":", "-."), strict=True):
-        ax2.plot(r0[n]["losses"], style, label=n)
+    for k, n in enumerate(names + _checked(names)):
+        ax2.plot(r0[n]["losses"], ("-", "--", ":", "-.")[k % 4], label=n)
     ax2.set_xlabel("step")
     ax2.set_ylabel("loss (rank 0)")
     ax2.set_title("losses (must coincide)")

@@ -47,8 +47,6 @@ def judge(node: fx.Node, cfg: Config) -> str | None:
     if any(v.dim() == 0 or int(v.shape[0]) % group_size for v in vals):
         return "dim 0 does not split in equal chunks"
     dev = vals[0].device.type
-    if dev == "cuda":
-        return "CUDA: this build has the host transport's reduce-scatter only (issue 37)"
     if dev == "cpu" and not cfg.host_transport:
         return "host_transport is off"
     if dev not in ("cpu", "cuda"):

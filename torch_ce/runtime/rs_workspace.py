@@ -116,12 +116,10 @@ def get(ranks: tuple, index: int, dtype: torch.dtype, device: torch.device, need
         return None
     if ws is not None:
         cap = max(cap, ws.cap)
-    if device.type != "cpu":
-        raise ReduceScatterError(
-            f"torch_ce: the copy-engine reduce-scatter of {name} got {device.type} tensors; only "
-            "the host transport (CPU) has it in this build, so the graph passes keep CUDA "
-            "reduce-scatters on the collective")
-    _pools[key] = ws = _open_host(key, ranks, index, cap, dtype, name, old=ws)
+    if device.type == "cuda":
+        _pools[key] = ws = _open_cuda(key, ranks, index, cap, dtype, name, device, old=ws)
+    else:
+        _pools[key] = ws = _open_host(key, ranks, index, cap, dtype, name, old=ws)
     return ws
 
 
@@ -146,11 +144,8 @@ def _views(mm: mmap.mmap, group_size: int, cap: int, dtype: torch.dtype):
     return recv.view(2, group_size, cap), flags
 
 
-def _open_host(key, ranks, index, cap, dtype, name, old: Workspace | None) -> Workspace:
-    """One round: every rank states what it needs, creates its segment, maps its peers'."""
-    from .host import SHM_DIR, _map, segment_name
-
-    rnd = _round(ranks)
+def _agree(rnd: Round, key, ranks, cap, name, old: Workspace | None) -> dict:
+    """The round's first exchange: every rank needs the same workspace at the same call."""
     me = {"key": list(map(str, key)), "cap": cap, "name": name, "calls": old.calls if old else 0,
           "token": config.shm_prefix + "rs" + uuid.uuid4().hex[:8]}
     everyone = rnd.exchange("need", me)
@@ -163,6 +158,15 @@ def _open_host(key, ranks, index, cap, dtype, name, old: Workspace | None) -> Wo
                    f"call {me['calls']}). Every rank of a group must run the same graphs.")
             rnd.abort(msg)
             raise ReduceScatterError(msg)
+    return everyone
+
+
+def _open_host(key, ranks, index, cap, dtype, name, old: Workspace | None) -> Workspace:
+    """One round: every rank states what it needs, creates its segment, maps its peers'."""
+    from .host import SHM_DIR, _map, segment_name
+
+    rnd = _round(ranks)
+    everyone = _agree(rnd, key, ranks, cap, name, old)
     job = everyone[min(everyone)]["token"]
     gen = f"{cap}x{(old.calls if old else 0)}"
     _, nbytes = _layout(len(ranks), cap, dtype)
@@ -193,6 +197,58 @@ def _open_host(key, ranks, index, cap, dtype, name, old: Workspace | None) -> Wo
             pass
     return Workspace(key, index, cap, dtype, recv, flags, peer_recv, peer_flags, handles, job,
                      calls=old.calls if old else 0)
+
+
+def _open_cuda(key, ranks, index, cap, dtype, name, device, old: Workspace | None) -> Workspace:
+    """One round, after this device finished all its work (a peer's pushes and flag writes
+    into an old workspace are then done everywhere once every rank passed the first
+    exchange): allocate, rendezvous (symmetric memory, over the group), set the flags,
+    and a last exchange so no peer writes a flag before its owner set it."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    torch.cuda.synchronize(device)
+    rnd = _round(ranks)
+    _agree(rnd, key, ranks, cap, name, old)
+    pg = _process_group(ranks)
+    flag_bytes, nbytes = _layout(len(ranks), cap, dtype)
+    buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    rnd.exchange("allocated", True)
+    hdl = symm_mem.rendezvous(buf, pg.group_name)
+    base = buf.data_ptr() - int(hdl.buffer_ptrs[hdl.rank])
+    assert base % _FLAG_BYTES_ALIGN == 0 and flag_bytes % dtype.itemsize == 0
+    w = len(ranks)
+
+    def views(r):
+        flags = hdl.get_buffer(r, (2, 2, w), torch.int32, base // 4)
+        recv = hdl.get_buffer(r, (2, w, cap), dtype, (base + flag_bytes) // dtype.itemsize)
+        return recv, flags
+
+    peer = [views(r) for r in range(w)]
+    recv, flags = peer[index]
+    flags.zero_()
+    flags[FREE].fill_(1)
+    torch.cuda.synchronize(device)
+    rnd.exchange("ready", True)
+    del dist
+    return Workspace(key, index, cap, dtype, recv, flags, [p[0] for p in peer], [p[1] for p in peer],
+                     [buf, hdl], "", calls=old.calls if old else 0)
+
+
+def _process_group(ranks: tuple):
+    """The live process group of exactly ``ranks`` (the op's group; resolved by name by
+    the caller, registered here by its ranks)."""
+    pg = _groups.get(ranks)
+    if pg is None:
+        raise ReduceScatterError(f"torch_ce: no process group of ranks {list(ranks)} was registered")
+    return pg
+
+
+_groups: dict = {}
+
+
+def note_group(ranks: tuple, pg) -> None:
+    _groups[ranks] = pg
 
 
 _POLL_S = (0.0, 0.0005)  # first and longest sleep between flag polls
