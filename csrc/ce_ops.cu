@@ -719,11 +719,11 @@ std::string build_info() {
   return tool + ";" + std::to_string(CUDART_VERSION) + ";" + rows;
 }
 
-// NOTE [stream flags] (the copy-engine reduce-scatter's signals: NOTE
-// [copy-engine reduce-scatter] in torch_ce/runtime/reduce_scatter.py). A flag is
-// a 32-bit word in a workspace: written by the GPU front end in stream order
-// (cuStreamWriteValue32) and waited on by it (cuStreamWaitValue32: the stream
-// waits, no SM kernel spins). torch has the write (symm_mem's
+// # NOTE [stream flags]
+// The copy-engine reduce-scatter's signals (NOTE [copy-engine reduce-scatter] in
+// torch_ce/runtime/reduce_scatter.py). A flag is a 32-bit word in a workspace:
+// written by the GPU front end in stream order (cuStreamWriteValue32) and waited
+// on by it (cuStreamWaitValue32: the stream waits, no SM kernel spins). torch has the write (symm_mem's
 // stream_write_value32_) but no wait, so both are here, through the driver
 // entry points (no link against libcuda). Both are capturable: a captured wait
 // is waited again at each replay.
