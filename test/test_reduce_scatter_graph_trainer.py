@@ -59,7 +59,7 @@ def _check(res, cases):
             cov = ce["rs"]
             assert cov["share"] == 1.0 and cov["ce_bytes"] > 0, (rank, mode, cov)
             served = cov["served"]
-            assert served and all(s["calls"] == H.STEPS and not s["collective_bytes"] for s in served.values()), served
+            assert served and all(s["calls"] and s["calls"] % H.STEPS == 0 and not s["collective_bytes"] for s in served.values()), served
             if mode == "regional":
                 assert ref["rs_left"] and not ce["rs_left"], (rank, ref["rs_left"], ce["rs_left"])
 

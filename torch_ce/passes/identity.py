@@ -56,6 +56,7 @@ MODULES = (
     "torch_ce.passes.param_names",
     "torch_ce.passes.plan",
     "torch_ce.passes.prefetch",
+    "torch_ce.passes.reduce_scatter",
     "torch_ce.passes.reorder",
     "torch_ce.passes.rewrite",
     "torch_ce.passes.reshard",
