@@ -87,6 +87,8 @@ def _other_value(name, value):
         return "nccl" if value == "copy_engine" else "copy_engine"
     if name == "cost_mode":
         return "default" if value == "calibrated" else "calibrated"
+    if name == "reduce_scatter":
+        return "copy_engine" if value == "collective" else "collective"
     if isinstance(value, bool):
         return not value
     if value is None:  # bool | None ("auto"): an explicit value
@@ -104,7 +106,8 @@ def test_every_cache_key_field_changes_both_keys(name):
 
 
 # Run-time-only settings: they change what a bind or a calibration does, never the graph.
-RUN_TIME_ONLY = {"cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "cuda_torch_fallback", "shm_prefix"}
+RUN_TIME_ONLY = {"cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "cuda_torch_fallback", "shm_prefix",
+                 "rs_workspace_cap_mib", "rs_timeout_s"}
 
 
 def test_cache_key_is_every_field_but_the_run_time_ones():
