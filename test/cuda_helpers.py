@@ -75,13 +75,19 @@ def loopback_workspaces(world: int, cap: int, dtype: torch.dtype, device="cuda")
                          recvs, flags, [], "") for r in range(world)]
 
 
-def loopback_reduce_scatter(wss: list, inputs: list, reduce_op: str = "sum", name: str = "loopback") -> list:
+def loopback_reduce_scatter(wss: list, inputs: list, reduce_op: str = "sum", name: str = "loopback",
+                            via_wait_tensor: bool = False) -> list:
     """One reduce-scatter of every "rank"'s ``inputs[r]`` (a list of tensors) over the
     loopback workspaces: each launches, then each completes; the current stream then waits
-    for every completion. Returns each rank's outputs."""
+    for every completion. Returns each rank's outputs. ``via_wait_tensor``: the outputs
+    carry the op's c10d work and each is completed by its ``wait_tensor``, as in a graph."""
     from torch_ce.runtime import reduce_scatter as RS
 
     calls = [RS.launch(ws, xs, reduce_op, name) for ws, xs in zip(wss, inputs, strict=True)]
+    if via_wait_tensor:
+        for c in calls:
+            RS._register(c)
+        return [[torch.ops._c10d_functional.wait_tensor(o) for o in c.outs] for c in calls]
     for c in calls:
         RS.complete(c)
     for c in calls:

@@ -13,7 +13,7 @@ CPU kernel under SAC, the bucketer's Triton device query, ``cudagraph_pass``):
   test/test_graph_trainer_zoo.py runs EP), each with regional and with full Inductor
   (``CASES``: under full Inductor Llama3 with one block, the compile of a whole joint
   graph on CPU being most of the spawn's time; Qwen3-MoE's one-block case and both
-  two-block ones are ``SLOW_CASES``, and CI's fast legs run the first):
+  two-block ones are ``SLOW_CASES``, and CI's 2.14.1 leg runs the first):
   graph_trainer's default pipeline (the reference; for two-block Qwen3-MoE under full
   Inductor its run without its FSDP bucketing, ``UNBUCKETED_REFERENCE`` says why) and the
   torch_ce pipeline: the losses bit-identical, >= 99% of
@@ -58,8 +58,8 @@ OPTION = "--compile.pass_pipeline torch_ce"
 # runs one block of each (~1.2 and ~1.6 minutes of CPU per rank for a model's two
 # compiles on torch 2.15), the slow cases two.
 CASES = (("llama3", "regional", 2), ("llama3", "full", 1), ("qwen3_moe", "regional", 2))
-# Qwen3-MoE under full Inductor (1.5 minutes of the default suite on 2 cores): CI's fast
-# legs run its one-block case (.ci/legs.sh).
+# Qwen3-MoE under full Inductor (1.5 minutes of the default suite on 2 cores): CI's 2.14.1
+# leg runs its one-block case (.ci/legs.sh).
 SLOW_CASES = (("qwen3_moe", "full", 1), ("llama3", "full", 2), ("qwen3_moe", "full", 2))
 # Full Inductor compiles the whole step, and its fused kernels' numerics depend on where the
 # gathered weights come from: views of graph_trainer's bucket buffers (its default) or one

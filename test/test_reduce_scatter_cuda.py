@@ -6,8 +6,8 @@ rank of the group; each "rank" launches, then each completes, the order the prot
 waits need):
 
 - ``test_loopback_exact``: worlds 2 and 3; fp32 and bf16, sum and avg, single and
-  coalesced buckets, ten calls in a row (both halves, the flags back to their start after
-  each): every rank's output equals the documented sum (group index order, fp32), and at
+  coalesced buckets (these completed by their outputs' ``wait_tensor``: the op's c10d
+  work), ten calls in a row (both halves, the flags back to their start after each): every rank's output equals the documented sum (group index order, fp32), and at
   world 2 fp32 the plain ``a + b``; the flags end as they began.
 - ``test_capture_and_replays``: the same calls captured in a CUDA graph and replayed
   five times while the inputs change: each replay exact on the new inputs.
@@ -69,7 +69,8 @@ def test_loopback_exact(world):
         for call in range(10):
             op = "avg" if call % 3 == 2 else "sum"
             xs = _inputs(world, dtype, gen, coalesced=call % 2 == 1)
-            outs = loopback_reduce_scatter(wss, xs, op, f"call {call}")
+            # Odd calls (the coalesced ones) through the outputs' wait_tensor, as in a graph.
+            outs = loopback_reduce_scatter(wss, xs, op, f"call {call}", via_wait_tensor=call % 2 == 1)
             torch.cuda.synchronize()
             for r in range(world):
                 want = _documented(xs, r, world, op)

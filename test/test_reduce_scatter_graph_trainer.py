@@ -4,7 +4,7 @@ transport, 2 CPU gloo ranks; NOTE [copy-engine reduce-scatter] in
 torch_ce/runtime/reduce_scatter.py).
 
 One spawn trains graph_trainer's Llama3 debug config (bf16 ``param_dtype``, fp32 reduce)
-for 3 AdamW steps under regional Inductor (2 blocks) and, slow (CI's fast legs run it),
+for 3 AdamW steps under regional Inductor (2 blocks) and, slow (CI's 2.14.1 leg runs it),
 full Inductor (1 block), each twice: the torch_ce pipeline with the reduce-scatters on gloo (the reference: the
 gathers' copy-engine path is test/test_graph_trainer.py's) and with them on the copy
 engines, retargeted after graph_trainer's own reduce-scatter bucketing
@@ -27,7 +27,7 @@ if H.importable():
 from mp_harness import run_ranks, seed_base  # noqa: E402
 
 CASES = (("llama3", "regional", 2),)
-SLOW_CASES = (("llama3", "full", 1),)  # CI's fast legs run it (.ci/legs.sh)
+SLOW_CASES = (("llama3", "full", 1),)  # CI's 2.14.1 leg runs it (.ci/legs.sh)
 
 
 def _ranks(rank, world, seed, cache, cases):

@@ -6,10 +6,10 @@ fresh random inputs (world 2: bit-identical, a sum of two is order-free; world 3
 within fp32 rounding, and bit-identical to the documented order, the sum in group index
 order, computed here from an all_gather of the inputs).
 
-- ``test_protocol_with_a_late_rank``: worlds 2, 3 and (slow; CI's fast legs) 4; one rank seconds late at the first
-  call and a random rank late at others; single and coalesced buckets, fp32 and bf16,
-  sum and avg, growing buckets (the workspace grows in a round), a subgroup; ten calls in
-  a row reuse both halves; run twice for determinism.
+- ``test_protocol_with_a_late_rank``: worlds 2, 3 and (slow; CI's 2.11 leg) 4; one rank
+  seconds late at the first call and a random rank late at others; single and coalesced
+  buckets, fp32 and bf16, sum and avg, growing buckets (the workspace grows in a round), a
+  subgroup; ten calls in a row reuse both halves; run twice for determinism.
 - ``test_workspace_cap_keeps_the_collective``: a bucket over ``rs_workspace_cap_mib``
   runs gloo's collective on every rank, exactly, and says why.
 - ``test_a_peer_that_never_pushes``: one rank skips a call: its peer's wait errors

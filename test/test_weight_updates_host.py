@@ -23,8 +23,8 @@ every update block before it writes: without the protocol its peer would read on
 - ``test_moe_experts_on_their_own_mesh``: 4 ranks, the zoo's Qwen3-MoE as graph_trainer
   wraps it with expert parallelism 2 (dense weights over fsdp, routed experts over efsdp);
   the reference is each phase's weights loaded into a fresh net and run through the
-  collective graph (slow-marked for the default suite's time; CI's fast legs run it,
-  .ci/legs.sh ``FAST_SLOW``).
+  collective graph (slow-marked for the default suite's time; CI's 2.11 leg runs it,
+  .ci/legs.sh ``SLOW_2111``).
 - ``test_rollback_trains_as_a_fresh_run``: training, a checkpoint, a loss spike's worth of
   steps, a rollback (model and optimizer state) inside the protocol with a late rank: the
   steps after it are bit-identical to a fresh run started from the checkpoint.
@@ -439,7 +439,7 @@ def _rank_moe(rank, world, seed, root):
     return res
 
 
-@pytest.mark.slow  # ~2 minutes on 2 cores (4 ranks, two compiles each): CI's fast legs run it
+@pytest.mark.slow  # ~2 minutes on 2 cores (4 ranks, two compiles each): CI's 2.11 leg runs it
 def test_moe_experts_on_their_own_mesh(tmp_path):
     res = run_ranks(_rank_moe, 4, seed_base(), str(tmp_path.resolve()), timeout=600,
                     env=ENV_MANY)

@@ -322,13 +322,19 @@ def _work_class():
         def __init__(self, call: Call):
             super().__init__()
             self.call = call
+            self.done = None
+            self.left = len(call.outs)  # waits to come (one per output)
 
         def wait(self, timeout=None) -> bool:  # noqa: ARG002
             call = self.call
-            if call is not None:
+            if call is not None:  # the first wait of any of the call's outputs
                 complete(call)
-                torch.cuda.current_stream().wait_event(call.done)
+                self.done = call.done
                 self.call = None  # the tensors go when the consumer is done with them
+            torch.cuda.current_stream().wait_event(self.done)  # every wait, on its own stream
+            self.left -= 1
+            if self.left <= 0:  # the registry holds it no more: Python need not either
+                _live_works.pop(id(self), None)
             return True
 
     return CompletionWork
