@@ -201,11 +201,53 @@ def quiet_warnings() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
-def setup_compile(cache_root: str, rank: int, fx_cache: bool = False) -> None:
+# NOTE [one gloo collective in flight in the references]
+# Torch's functional collectives on gloo can corrupt the heap when two or more are in flight
+# at once on a loaded machine (bench/compare/gloo_inflight.py: an abort or a segfault, no
+# torch_ce code involved). Inductor's defaults put two in flight in a plain compiled graph:
+# ``reorder_for_locality`` hoists each gather up to the previous one's wait, and torch 2.14+'s
+# simple overlap moves collectives up and waits down. A reference run compiled that way
+# killed a rank of CI's 2.15 leg (SIGABRT in test_uneven_host's plain compiled run, its peers
+# then "Connection reset by peer"). ``torch_ce.enable()`` sets both off (passes/install.py),
+# so setting them off here as well compiles the references under the same settings as the
+# runs they are compared with; only the order of launches and waits changes, never a value.
+
+
+def keep_one_gloo_collective_in_flight() -> None:
+    """Inductor settings that launch each collective after the previous one's wait (NOTE
+    [one gloo collective in flight in the references])."""
+    import torch._inductor.config as ic
+
+    ic.reorder_for_locality = False
+    ado = getattr(ic, "aten_distributed_optimizations", None)
+    if ado is not None and hasattr(ado, "enable_simple_overlap"):  # torch 2.14+
+        ado.enable_simple_overlap = False
+
+
+def collectives_in_flight(code: str) -> int:
+    """The most ``_c10d_functional`` collectives Inductor's generated code has in flight at
+    once (launched, not yet waited): at most 1 on gloo (NOTE [gloo: one functional
+    collective in flight] in torch_ce/ops.py; NOTE [one gloo collective in flight in the
+    references] above)."""
+    import re
+
+    pending, most = set(), 0
+    for line in code.splitlines():
+        m = re.match(r"\s*(buf\d+) = torch\.ops\._c10d_functional\.\w+\.default\(", line)
+        if m:
+            pending.add(m.group(1))
+            most = max(most, len(pending))
+        elif m := re.search(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)", line):
+            pending.discard(m.group(1))
+    return most
+
+
+def setup_compile(cache_root: str, rank: int, fx_cache: bool = False, torch_defaults: bool = False) -> None:
     """Compile settings for a CPU rank: its own absolute Inductor cache dir (ranks never
     share compiled code; torch 2.11 rejects a relative one), one compile thread, one
-    intra-op thread, no vector-ISA probe builds (~9 s of g++ per fresh cache dir), a fresh
-    dynamo, quiet warnings."""
+    intra-op thread, no vector-ISA probe builds (~9 s of g++ per fresh cache dir), one gloo
+    collective in flight (unless ``torch_defaults``: a test of what torch_ce changes in
+    Inductor's defaults), a fresh dynamo, quiet warnings."""
     import torch
     import torch._inductor.config as ic
 
@@ -213,6 +255,8 @@ def setup_compile(cache_root: str, rank: int, fx_cache: bool = False) -> None:
     ic.fx_graph_cache = fx_cache
     ic.compile_threads = 1
     ic.cpp.vec_isa_ok = False
+    if not torch_defaults:
+        keep_one_gloo_collective_in_flight()
     torch.set_num_threads(1)
     torch._dynamo.reset()
     quiet_warnings()

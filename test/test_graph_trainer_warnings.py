@@ -61,7 +61,7 @@ def _pp_post_init(cfg, world):
 def _ranks(rank, world, seed, cache):
     from mp_harness import setup_compile
 
-    setup_compile(cache, rank)
+    setup_compile(cache, rank, torch_defaults=True)  # its warning names what enable() changed
     import torch_ce
 
     out = {"imported_first": "torchtitan.experiments.graph_trainer.registry" in sys.modules}

@@ -33,7 +33,7 @@ import torch
 
 pytest.importorskip("torchtitan")  # its modules then import, or the file fails loudly
 
-from mp_harness import run_ranks, seed_base, setup_compile  # noqa: E402
+from mp_harness import collectives_in_flight, run_ranks, seed_base, setup_compile  # noqa: E402
 
 WORLD = 2
 MAGI_CALL = "torch.ops.magi.ce_all_gather"
@@ -91,23 +91,6 @@ def _train(transport, build, batches, rank, *, delay=0.0, accum=1, hooks=False, 
         return losses, code, compiled
     finally:
         torch_ce.disable()
-
-
-def _collectives_in_flight(code: str) -> int:
-    """The most ``_c10d_functional`` collectives a generated graph has in flight at once
-    (launched, not yet waited): at most 1 on gloo (NOTE [gloo: one functional collective
-    in flight] in torch_ce/ops.py)."""
-    import re
-
-    pending, most = set(), 0
-    for line in code.splitlines():
-        m = re.match(r"\s*(buf\d+) = torch\.ops\._c10d_functional\.\w+\.default\(", line)
-        if m:
-            pending.add(m.group(1))
-            most = max(most, len(pending))
-        elif m := re.search(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)", line):
-            pending.discard(m.group(1))
-    return most
 
 
 def _check_slots(model) -> None:
@@ -179,7 +162,7 @@ def _rank_zoo(rank, world, seed, cache, name):
     e = torch_ce.explain()
     return dict(
         ref=ref, ce=ce, ref_magi=sum(c.count(MAGI_CALL) for c in ref_code), graphs=len(code),
-        in_flight=[_collectives_in_flight(c) for c in ref_code + code],
+        in_flight=[collectives_in_flight(c) for c in ref_code + code],
         magi_fw=code[0].count(MAGI_CALL), magi_bw=code[-1].count(MAGI_CALL),
         staged=sum(1 for s in staged if s is not None and isinstance(s[0], W.Slot)),
         n=len(shards), staging_bytes=expect, window_used=used,

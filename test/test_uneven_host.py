@@ -27,7 +27,7 @@ import os
 import pytest
 import torch
 
-from mp_harness import run_ranks, seed_base, setup_compile
+from mp_harness import collectives_in_flight, run_ranks, seed_base, setup_compile
 
 WORLD = 3
 TIMEOUT = 600  # catches hangs; 3 ranks compiling on 2 loaded cores take minutes
@@ -125,7 +125,7 @@ def _rank_inference(rank, world, seed, cache):
     mesh = init_device_mesh("cpu", (world,))
     inputs = _ids(seed, rank)
     model = _Uneven(mesh)
-    ref, _ = _run(model, inputs, None)  # the plain compiled run: gloo gathers
+    ref, ref_code = _run(model, inputs, None)  # the plain compiled run: gloo gathers
     graphs = []
     with manager.observing(graphs.append):
         report.clear()
@@ -138,6 +138,8 @@ def _rank_inference(rank, world, seed, cache):
     rec = report.graphs[-1]
     return dict(
         exact=[torch.equal(a, b) for a, b in zip(ce, ref, strict=True)],
+        ref_in_flight=collectives_in_flight(ref_code),
+        ref_gloo_calls=ref_code.count(GLOO_CALL),
         shards=[tuple(getattr(model, n).parametrizations.weight.original._local_tensor.shape)
                 for n in ("emb", "a", "b", "c")],
         padded_calls=code.count(PADDED_CALL),
@@ -182,6 +184,9 @@ def cast(both):
 def test_uneven_inference(inference):
     for rank, r in enumerate(inference):
         assert r["exact"] == [True] * 3, f"rank {rank}: compiled CE != plain compiled: {r['exact']}"
+        # The reference gathered every weight on gloo, one at a time (NOTE [one gloo
+        # collective in flight in the references] in mp_harness.py).
+        assert r["ref_gloo_calls"] == 4 and r["ref_in_flight"] == 1, (rank, r["ref_gloo_calls"], r["ref_in_flight"])
         assert r["refused"] == [] and r["skipped"] == [], (rank, r["refused"], r["skipped"])
         assert r["bound"] == ["a.weight", "b.weight", "c.weight", "emb.weight"], (rank, r["bound"])
         assert r["lookups"] == dict(emb="Slot", a="Slot", b="Slot", c="Slot"), (rank, r["lookups"])
