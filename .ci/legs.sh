@@ -97,6 +97,30 @@ ci_step() {
     echo "ci: [$leg] $what: ${STEP_S} s wall, ${STEP_CPU} s CPU, exit $STEP_RC"
 }
 
+# What pip prints when a download, not the project, failed: a wheel cut short (its hash
+# then differs from the index's), a dropped or timed-out connection.
+CI_DOWNLOAD_FAILED='DO NOT MATCH THE HASHES|IncompleteRead|ProtocolError|ReadTimeoutError|Connection broken|Max retries exceeded'
+
+# ci_install LEG CMD: the install step, tried again (up to 3 times in all, without pip's
+# cache) only when pip says a download failed; any other failure stands at once. Sets
+# STEP_RC, STEP_S and STEP_CPU as ci_step does (the seconds of every try).
+ci_install() {
+    local leg=$1 cmd=$2 try log s=0 c=0
+    log=$(mktemp)
+    for try in 1 2 3; do
+        if [ "$try" -gt 1 ]; then
+            echo "ci: [$leg] install: a download failed (pip: $(grep -oE "$CI_DOWNLOAD_FAILED" "$log" | head -n 1)); try $try of 3, without pip's cache" >&2
+            export PIP_NO_CACHE_DIR=1
+        fi
+        ci_step "$leg" install "( $cmd ) 2>&1 | tee $log"
+        s=$((s + STEP_S)) c=$((c + STEP_CPU))
+        if [ "$STEP_RC" -eq 0 ] || [ "$STEP_RC" -eq 124 ] || ! grep -qE "$CI_DOWNLOAD_FAILED" "$log"; then break; fi
+    done
+    unset PIP_NO_CACHE_DIR
+    rm -f "$log"
+    STEP_S=$s STEP_CPU=$c
+}
+
 # ci_leg NAME TORCH TESTS README_INSTALL README_TEST: one leg, recorded in CI_SUMMARY.
 ci_leg() {
     local name=$1 torch_req=$2 tests=$3 slow=$4 readme_install=$5 readme_test=$6
@@ -142,7 +166,7 @@ ci_leg() {
         # shellcheck disable=SC1091
         . "$venv/bin/activate"
         echo "ci: [$name] fresh venv $VIRTUAL_ENV; python $(command -v python) ($(python --version 2>&1)), pip $(pip --version)"
-        ci_step "$name" install "$install"
+        ci_install "$name" "$install"
         i_s=$STEP_S cpu=$((cpu + STEP_CPU))
         torch_v=$(python -c 'import torch; print(torch.__version__)' 2>/dev/null || echo "-")
         echo "ci: [$name] installed: $(pip list --format=freeze 2>/dev/null | tr '\n' ' ')"
