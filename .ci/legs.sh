@@ -41,10 +41,11 @@ SLOW_2111="*test_moe_experts_on_their_own_mesh*"
 
 # The copy-engine reduce-scatter's slow cases (issue 37), as node ids, shared out the same
 # way: 2.14.1 EP at world 4, Qwen3-MoE at world 2 and graph_trainer under full Inductor;
-# 2.11 HSDP 2x2, world 3 with uneven shards, and the op at world 4.
+# 2.11 HSDP 2x2, world 3 with uneven shards, Llama3 with bf16 param_dtype at world 2, and
+# the op at world 4.
 RS_TRAIN="test/test_reduce_scatter_training.py::test_trains_with_every_reduce_scatter_on_ce"
 RS_2141="$RS_TRAIN[qwen3_moe-w4-ep] $RS_TRAIN[qwen3_moe-w2-fp32] test/test_reduce_scatter_graph_trainer.py::test_every_gradient_reduce_scatter_on_ce_full_inductor"
-RS_211="$RS_TRAIN[qwen3_moe-w4-hsdp] $RS_TRAIN[llama3-w3-uneven] test/test_reduce_scatter_host.py::test_protocol_with_a_late_rank[4]"
+RS_211="$RS_TRAIN[qwen3_moe-w4-hsdp] $RS_TRAIN[llama3-w3-uneven] $RS_TRAIN[llama3-w2-bf16] test/test_reduce_scatter_host.py::test_protocol_with_a_late_rank[4]"
 RS_SLOW="*test_reduce_scatter_*"
 
 # Files none of whose default cases may skip where this leg's torch supports them

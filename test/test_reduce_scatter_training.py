@@ -115,8 +115,7 @@ def _check(res, world, exact):
 
 
 # Slow cases (the default suite's 15 minutes): CI's 2.14.1 leg runs EP and Qwen3-MoE at
-# world 2, its 2.11 leg HSDP and world 3 (.ci/legs.sh); bf16 at world 2 runs by hand
-# (graph_trainer's bf16 step is test_reduce_scatter_graph_trainer.py's, bit-identical).
+# world 2, its 2.11 leg HSDP, world 3 and bf16 at world 2 (.ci/legs.sh).
 CASES = [
     pytest.param("llama3", "fully_shard", 1, "fp32", 2, id="llama3-w2-fp32"),
     pytest.param("llama3", "fully_shard", 1, "bf16", 2, id="llama3-w2-bf16", marks=pytest.mark.slow),
