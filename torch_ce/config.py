@@ -45,7 +45,8 @@ class Config:
     reorder: bool = True
     # Gather the graph's leading CE weights (whole buckets, at most this many MiB of gathered
     # output) at the end of each call, for the next call (0: off). The outputs stay
-    # allocated between calls; weights must not change unless drop_prefetched() is called.
+    # allocated between calls; torch_ce.updating_weights drops them (the version net also
+    # refuses a parked value of a weight written outside it, where a counter shows it).
     # NOTE [cross-call prefetch] in torch_ce/runtime/prefetch.py.
     prefetch_next_call_mib: float = 0.0
     # "calibrated": time wait(launch()) on the real windows after binding and use that

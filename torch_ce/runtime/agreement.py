@@ -21,7 +21,11 @@ The exchanges use the default process group's key-value store, not collectives:
 - off the GPU: no tensor is allocated, so the bind leaves nothing in a CUDA graph's pool,
   and an NCCL group's stream is not involved.
 Keys are ``torch_ce/bind/<group ranks>/<round>/<phase>/<rank>``; a round number counts
-this group's binds, which every member runs in the same order.
+this group's binds, which every member runs in the same order. The store holds at most
+one key per rank and kind of round (and group) between rounds: a rank deletes its key of
+a phase once every peer has posted the next one (each peer read it before posting), and
+its last phase's key (or its abort key) at the next round's first completed exchange, so
+an RL loop that updates its weights every step does not grow the store server.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ from typing import Any
 
 _POLL_S = (0.0005, 0.05)  # first and longest sleep between polls
 
-_rounds: dict[tuple, int] = {}  # (store id, group ranks) -> binds run
+_rounds: dict[tuple, int] = {}  # (store id, group ranks, what) -> rounds run
+_left: dict[tuple, list[str]] = {}  # the same key -> this rank's keys a finished round left
 
 
 class BindError(RuntimeError):
@@ -62,7 +67,7 @@ class Round:
         # ``what`` names the rounds (a bind, or runtime/updates.py's "update"), each kind
         # counted on its own: every member runs each kind's rounds in the same order.
         self.what, self.error, self.timeout_names = what, error, timeout_names
-        key = (id(self.store), group_ranks, what)
+        self.kind = key = (id(self.store), group_ranks, what)
         _rounds[key] = n = _rounds.get(key, 0) + 1
         self.prefix = f"torch_ce/{what}/{'-'.join(map(str, group_ranks))}/{n}"
         self.timeout_s = timeout_s
@@ -77,7 +82,15 @@ class Round:
         try:
             self.store.set(self._key("abort", self.rank), message.encode())
         except Exception:  # noqa: BLE001 (the store may be gone with the job)
-            pass
+            return
+        _left.setdefault(self.kind, []).append(self._key("abort", self.rank))
+
+    def _delete(self, keys: list[str]) -> None:
+        for k in keys:
+            try:
+                self.store.delete_key(k)
+            except Exception:  # noqa: BLE001 (a store without delete: keys stay, as before)
+                pass
 
     def _aborted(self) -> tuple[int, str] | None:
         for r in self.ranks:
@@ -91,6 +104,7 @@ class Round:
         self.phases += 1
         timeout = self.arrival_timeout_s if self.phases == 1 else self.timeout_s
         self.store.set(self._key(phase, self.rank), json.dumps(payload).encode())
+        _left.setdefault(self.kind, []).append(self._key(phase, self.rank))
         waiting = [r for r in self.ranks if r != self.rank]
         got = {self.rank: payload}
         deadline = time.monotonic() + timeout
@@ -117,6 +131,12 @@ class Round:
         failed = self._aborted()
         if failed is not None:
             raise self.error(f"torch_ce: {self.what} failed on rank {failed[0]}: {failed[1]}")
+        # Every peer posted this phase, so it read every earlier key of this rank's (this
+        # round's earlier phases, the last round's): they go (module NOTE).
+        left = _left.get(self.kind, [])
+        mine = self._key(phase, self.rank)
+        self._delete([k for k in left if k != mine])
+        _left[self.kind] = [mine]
         return got
 
 

@@ -35,6 +35,7 @@ import torch
 
 from . import native
 from . import windows as W
+from .versions import version_of
 
 log = logging.getLogger("torch_ce")
 
@@ -95,7 +96,7 @@ def prefetch(shards: Sequence[torch.Tensor], group_size: int, group_name: str) -
         return
     outs = torch.ops.magi.ce_all_gather_coalesced(bound, group_size, group_name)
     with _lock:
-        _parked[group_name] = {_key(s): _Parked(o, s._version) for s, o in zip(bound, outs)}
+        _parked[group_name] = {_key(s): _Parked(o, version_of(s)) for s, o in zip(bound, outs)}
         stats["prefetched"] += len(bound)
     _sync_native()
 
@@ -111,7 +112,7 @@ def take(shards: Sequence[torch.Tensor], group_name: str) -> dict[int, torch.Ten
             hits = {}
         else:
             hits = {i: park.pop(_key(s)) for i, s in enumerate(shards) if _key(s) in park}
-        stale = {i for i, p in hits.items() if shards[i]._version != p.version}
+        stale = {i for i, p in hits.items() if version_of(shards[i]) != p.version}
         if not hits:
             dropped = list(park.values())
             del _parked[group_name]

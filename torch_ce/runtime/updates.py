@@ -21,9 +21,10 @@ ranks, as binds):
   the block the caller writes its weights, any way at all, on its current stream (or
             waits for what wrote them: a ``dist.broadcast`` returns ordered);
   exit      a store exchange: every rank finished its block (one that raised aborts the
-            round: every rank raises, and the watches stay poisoned); each cast slot is
-            refreshed from its weight (cast) on the current stream; the watches record
-            the new versions;
+            round: every rank raises, and the watches stay poisoned); each in-place
+            weight the block gave new storage goes back into its slot (NOTE [a weight
+            re-pointed inside the protocol]); each cast slot is refreshed from its
+            weight (cast) on the current stream; the watches record the new versions;
   fence 2   every rank's writes and refreshes precede any peer's next read.
 
 On CUDA the fences are stream-ordered, NCCL's (no host synchronization, capturable: under
@@ -85,9 +86,9 @@ def _targets(params):
     watched, seen = [], set()
     for slot in W.bound_slots():
         w = slot.watch
-        if w is None or id(slot) in seen or not w.refs:
+        if w is None or id(slot) in seen:
             continue
-        if mine(w.refs[0]()):
+        if mine(w.weight()):
             seen.add(id(slot))
             watched.append(slot)
     refresh = []
@@ -119,7 +120,8 @@ def updating_weights(params=None, *, timeout_s: float | None = None):
     ``dcp.load`` + ``set_state_dict``, ``copy_``, ``.data`` writes, a ``dist.broadcast``
     from another group). After it every rank's next call reads the new weights, exactly.
     ``timeout_s`` (default ``bind_arrival_timeout_s``): how long a rank waits for its
-    peers to enter, and to finish, before ``UpdateError``.
+    peers to enter, and to finish, before ``UpdateError`` (a collective of the caller's
+    inside the block is bounded by its own group's timeout).
     """
     watched, refresh, groups, wanted = _targets(params)
     if not groups:
@@ -154,6 +156,15 @@ def updating_weights(params=None, *, timeout_s: float | None = None):
         for slot in watched:
             versions.poison(slot, why + " (update again, on every rank)")
         raise
+    moved = _moved_off(watched)
+    problem = _unhomeable(moved)
+    if problem:
+        why = f"torch_ce.updating_weights: rank {me}: {problem}"
+        for rnd in rounds:
+            rnd.abort(why)
+        for slot in watched:
+            versions.poison(slot, why + " (update again, on every rank)")
+        raise UpdateError(why)
     try:
         for rnd in rounds:
             rnd.exchange("exit", True)
@@ -162,11 +173,63 @@ def updating_weights(params=None, *, timeout_s: float | None = None):
             versions.poison(slot, f"{e} (update again, on every rank)")
         raise
     with torch.no_grad():
+        _rehome(moved)
+        W.follow_moved_weights()
         if refresh:
             torch._foreach_copy_([v for v, _ in refresh], [w for _, w in refresh])  # casts too
         for slot in watched:
-            weight = slot.watch.refs[0]() if slot.watch.refs else None
+            weight = slot.watch.weight()
             extra = wanted.get(id(weight), ()) if wanted is not None and weight is not None else ()
             versions.reset(slot, extra)
         staging.fence(fence_groups)  # fence 2: every rank's new values are in place
     prefetch.drop(on_current_stream=True)
+
+
+# NOTE [a weight re-pointed inside the protocol]
+# ``p._local_tensor.data = new`` (or ``p.to_local().data = new``) inside the block gives
+# the weight other storage: its slot no longer holds it, and the next call would bind it
+# again (a new slot each update, the old one never freed) or find it unbound. At the exit,
+# before the exchange, each in-place weight the block re-pointed is checked (the same
+# dtype, the slot's shape; a padded slot's trailing dims and at most its rows): one that
+# does not fit aborts the update on every rank. After the exchange its new values are
+# copied into its slot and it is pointed back there (what the bind did), so the window
+# holds it as before and nothing grows; a cast or staging slot's weight keeps its new
+# storage, and its entry follows it (``windows.follow_moved_weights``).
+def _moved_off(watched) -> list:
+    """(slot, weight) of the in-place and padded weights no longer in their slots."""
+    cast = {id(e) for _, e, _, _ in list(W._cast.values())}
+    out = []
+    for slot in watched:
+        weight = slot.watch.weight()
+        if weight is None or id(slot) in cast or W.lookup(weight) is slot:
+            continue
+        hit = W.padded(weight)
+        if isinstance(hit, tuple) and hit[0] is slot:
+            continue
+        out.append((slot, weight))
+    return out
+
+
+def _unhomeable(moved) -> str:
+    for slot, weight in moved:
+        rows_ok = (tuple(weight.shape) == slot.shape if not W.is_padded_slot(slot) else
+                   tuple(weight.shape[1:]) == slot.shape[1:] and weight.shape[0] <= slot.shape[0])
+        if weight.dtype != slot.dtype or not rows_ok:
+            return (f"{slot.name or 'a weight'} was given new storage of {tuple(weight.shape)} "
+                    f"{weight.dtype} inside the block, where its window slot holds "
+                    f"{slot.shape} {slot.dtype}: a bound weight keeps its shape and dtype")
+    return ""
+
+
+def _rehome(moved) -> None:
+    """Copy each re-pointed weight into its slot and point it back there."""
+    from .binding import _transport
+
+    for slot, weight in moved:
+        full = _transport(slot.window.device).slot_local_view(slot)
+        home = full[:weight.shape[0]] if W.is_padded_slot(slot) else full
+        home.copy_(weight)
+        if home.shape[0] < full.shape[0]:
+            full[home.shape[0]:].zero_()
+        weight.data = home
+        log.debug("torch_ce.updating_weights: %s re-pointed into its slot", slot.name)

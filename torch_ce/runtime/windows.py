@@ -381,7 +381,7 @@ def register_cast_slot(t: torch.Tensor, dtype: torch.dtype, entry: Slot | Fallba
             register_padded(full, entry)
         elif view is not None:
             register(view, entry)
-        _cast[(_wkey(t), dtype)] = (weakref.ref(t), entry, view, t._version)
+        _cast[(_wkey(t), dtype)] = (weakref.ref(t), entry, view, 0 if t.is_inference() else t._version)
 
 
 def cast_slots() -> list[tuple[torch.Tensor, Slot]]:
@@ -392,6 +392,22 @@ def cast_slots() -> list[tuple[torch.Tensor, Slot]]:
         if w is not None and isinstance(entry, Slot):
             out.append((w, entry))
     return out
+
+
+def follow_moved_weights() -> int:
+    """Re-key the cast and staging entries whose weight now has another address (a
+    ``.data =`` inside ``updating_weights``), so the next call finds them instead of
+    binding the weight again. Returns how many moved."""
+    n = 0
+    with _lock:
+        for table in (_cast, _staged):
+            for key, val in list(table.items()):
+                w = val[0]()
+                if w is not None and (_wkey(w), key[1]) != key:
+                    del table[key]
+                    table[(_wkey(w), key[1])] = val
+                    n += 1
+    return n
 
 
 def register_staged(t: torch.Tensor, dtype: torch.dtype, entry: Slot | Fallback,
@@ -444,6 +460,11 @@ def register_padded(full: torch.Tensor, entry: Slot, live: torch.Tensor | None =
         if live is not None:
             entry.ref = weakref.ref(live)
         _padded[_first_addr(full)] = (entry, full)
+
+
+def is_padded_slot(slot: Slot) -> bool:
+    """Whether ``slot`` is a padded slot (its weight views its first rows)."""
+    return any(e is slot for e, _ in list(_padded.values()))
 
 
 def register_padded_fallback(t: torch.Tensor, fb: Fallback) -> None:
