@@ -32,7 +32,7 @@ import torch
 pytest.importorskip("torchtitan")
 
 from mp_harness import run_ranks, seed_base, setup_compile  # noqa: E402
-from test_weight_updates_host import _compared, _eager, _fsdp_chain, _new_full, _rows  # noqa: E402
+from test_weight_updates_host import _assert_exact, _compared, _eager, _fsdp_chain, _new_full, _rows  # noqa: E402
 
 DELAY = 3.0  # seconds the late rank writes after its peer
 LATE = 1
@@ -128,11 +128,6 @@ def _rank_state_dict(rank, world, seed, root):
     finally:
         torch_ce.disable()
     return res
-
-
-def _assert_exact(rank, calls):
-    bad = [c for c in calls if not c[2]]
-    assert not bad, f"rank {rank}: calls that differ from eager on the current weights: {bad}"
 
 
 def test_public_state_dict_writes(tmp_path):
