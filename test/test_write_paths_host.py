@@ -10,7 +10,8 @@ weights of that moment, or must raise ``StaleWeightError``: never a wrong output
   state dict, ``model.state_dict()[k].to_local().copy_(new)`` and
   ``get_model_state_dict(model)[k].to_local().copy_(new)``, rank 1 three seconds after
   rank 0, outside the protocol: each rank's next call raises ``StaleWeightError`` naming
-  the weight (before this, the fast rank returned wrong outputs); the same writes inside
+  the weight (before this, the fast rank returned wrong outputs), and so does
+  ``p.to_local().copy_(new)`` on the parameters; the same writes inside
   ``updating_weights`` are exact on every rank. fp32 (in place) and bf16 ``param_dtype``
   (cast slots).
 - ``test_inference_tensor_weights``: weights made under ``torch.inference_mode()`` (no
@@ -78,11 +79,16 @@ def _calls(res, label, compiled, models, fulls, gen, n=2, catch=False):
             res["calls"].append(_compared(label, k, y, _eager(fulls[k], x)))
 
 
+HOWS = ("state_dict", "get_model_state_dict", "to_local")
+
+
 def _state_dict_write(how, model, full):
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    if how == "state_dict":
+    if how == "to_local":
+        sd = dict(model.named_parameters())
+    elif how == "state_dict":
         sd = model.state_dict()
     else:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -104,7 +110,7 @@ def _rank_state_dict(rank, world, seed, root):
     try:
         with torch.no_grad():
             _calls(res, "bound", compiled, models, fulls, gen)
-            for i, how in enumerate(("state_dict", "get_model_state_dict")):
+            for i, how in enumerate(HOWS):
                 # Outside the protocol: rank 1 writes DELAY s after rank 0, each calls at
                 # once after its own write (its peer may still hold the old weights).
                 dist.barrier()
@@ -135,12 +141,12 @@ def test_public_state_dict_writes(tmp_path):
     for rank, r in enumerate(res):
         _assert_exact(rank, r["calls"])
         labels = {(c[0], c[1]) for c in r["calls"]}
-        for how in ("state_dict", "get_model_state_dict"):
+        for how in HOWS:
             for k in DIMS:
                 assert (f"protocol {how}", k) in labels, labels
                 # the unprotected write is caught on this (writing) rank: no result at all
                 assert (f"unprotected {how}", k) not in labels, (rank, how, k)
-        assert r["stale_per_write"] == [2, 2], r["stale_per_write"]
+        assert r["stale_per_write"] == [2] * len(HOWS), r["stale_per_write"]
         for label, k, msg in r["stale"]:
             assert "layers.0.weight" in msg and "updating_weights" in msg, msg
 
