@@ -11,7 +11,9 @@ weights of that moment, or must raise ``StaleWeightError``: never a wrong output
   ``get_model_state_dict(model)[k].to_local().copy_(new)``, rank 1 three seconds after
   rank 0, outside the protocol: each rank's next call raises ``StaleWeightError`` naming
   the weight (before this, the fast rank returned wrong outputs), and so does
-  ``p.to_local().copy_(new)`` on the parameters; the same writes inside
+  ``p.to_local().copy_(new)`` on the parameters and ``dcp.load`` into
+  ``get_model_state_dict(model)`` (loaded in place, no ``set_model_state_dict``); the same
+  writes inside
   ``updating_weights`` are exact on every rank. fp32 (in place) and bf16 ``param_dtype``
   (cast slots).
 - ``test_inference_tensor_weights``: weights made under ``torch.inference_mode()`` (no
@@ -79,13 +81,26 @@ def _calls(res, label, compiled, models, fulls, gen, n=2, catch=False):
             res["calls"].append(_compared(label, k, y, _eager(fulls[k], x)))
 
 
-HOWS = ("state_dict", "get_model_state_dict", "to_local")
+HOWS = ("state_dict", "get_model_state_dict", "to_local", "dcp")
 
 
 def _state_dict_write(how, model, full):
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    if how == "dcp":  # a checkpoint of ``full`` loaded into the model's state dict, in place
+        import os
+        import tempfile
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from test_weight_updates_host import _dtensors
+
+        mesh = next(iter(model.parameters())).device_mesh
+        ckpt = os.path.join(tempfile.mkdtemp(), f"rank{rank}")
+        dcp.save(_dtensors(model, full, mesh), checkpoint_id=ckpt, no_dist=True)  # no object collectives: no numpy
+        dcp.load(get_model_state_dict(model), checkpoint_id=ckpt, no_dist=True)
+        return
     if how == "to_local":
         sd = dict(model.named_parameters())
     elif how == "state_dict":
