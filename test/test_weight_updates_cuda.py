@@ -164,3 +164,41 @@ def test_gather_inside_the_block_raises(group):
         with pytest.raises(torch_ce.StaleWeightError, match="updating_weights is open"):
             _gather(p, group)
     assert torch.equal(_gather(p, group), torch.cat([p._local_tensor, peer]))
+
+
+def test_cpp_gather_sees_state_dict_writes(group):
+    """``module.state_dict()[k].to_local().copy_(x)``: the entry's local tensor has a fresh
+    counter (NOTE [what the net sees]); the module's state-dict hook watches it, and the
+    C++ gather hands the stale bucket to Python, which raises; the protocol recovers."""
+    import torch_ce
+    from torch_ce.runtime import versions
+
+    p, peer, slot = _param(group)
+    holder = torch.nn.Module()
+    holder.register_parameter("w", p)
+    versions.watch_slots([(slot, p._local_tensor, "w", [p])])  # now a module holds it: followed
+    assert torch.equal(_gather(p, group), torch.cat([p._local_tensor, peer]))
+    new = torch.randn_like(p._local_tensor)
+    with torch.no_grad():
+        holder.state_dict()["w"].to_local().copy_(new)  # the state dict dies at once
+    with pytest.raises(torch_ce.StaleWeightError, match=r"w changed in place outside"):
+        _gather(p, group)
+    with _loopback_rounds(), torch_ce.updating_weights([p]):
+        pass
+    assert torch.equal(_gather(p, group), torch.cat([new, peer]))
+
+
+def test_data_assignment_goes_back_into_its_slot(group):
+    """``p._local_tensor.data = new`` inside the protocol: at the exit the values are copied
+    into the slot and the shard views it again (NOTE [a weight re-pointed inside the
+    protocol]), so the C++ gather finds it and reads the new values."""
+    import torch_ce
+
+    p, peer, slot = _param(group)
+    addr = p._local_tensor.data_ptr()
+    for k in range(3):
+        new = torch.randn_like(p._local_tensor)
+        with _loopback_rounds(), torch_ce.updating_weights([p]):
+            p._local_tensor.data = new.clone()
+        assert p._local_tensor.data_ptr() == addr
+        assert torch.equal(_gather(p, group), torch.cat([new, peer]))

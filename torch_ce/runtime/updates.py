@@ -226,7 +226,10 @@ def _rehome(moved) -> None:
     from .binding import _transport
 
     for slot, weight in moved:
-        full = _transport(slot.window.device).slot_local_view(slot)
+        w = slot.window
+        # What the bind pointed it at (a window without a transport handle: a test's
+        # loopback slot, whose own view is its peer view).
+        full = _transport(w.device).slot_local_view(slot) if w.handle is not None else slot.peer_views[w.rank]
         home = full[:weight.shape[0]] if W.is_padded_slot(slot) else full
         home.copy_(weight)
         if home.shape[0] < full.shape[0]:
