@@ -195,6 +195,9 @@ def test_data_assignment_goes_back_into_its_slot(group):
     import torch_ce
 
     p, peer, slot = _param(group)
+    # A real window's own view is a tensor of its own (cuda.slot_local_view); a loopback
+    # slot's is the weight itself, which ``.data =`` moves: give it an alias that stays.
+    slot.peer_views = [p._local_tensor.detach(), peer]
     addr = p._local_tensor.data_ptr()
     for k in range(3):
         new = torch.randn_like(p._local_tensor)
