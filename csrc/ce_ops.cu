@@ -727,8 +727,27 @@ std::string build_info() {
 // stream_write_value32_) but no wait, so both are here, through the driver
 // entry points (no link against libcuda). Both are capturable: a captured wait
 // is waited again at each replay.
+//
+// A data flag holds the call's tag (a nonzero 31-bit value of the call's sequence
+// number and shapes, NOTE [reduce-scatter workspaces]), so the wait is EQ on the tag: a
+// push of another call never satisfies it (the watchdog then names both calls from the
+// words it reads).
+//
+// Ordering (issue 46; docs/DESIGN.md "Flag waits observe the data"): the wait adds
+// CU_STREAM_WAIT_VALUE_FLUSH where the device reports
+// CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES (``stream_flags_info``; an H200 reports 0).
+// Without it the writer's side orders it: its flag write has the default flags (a
+// memory barrier before the write, not CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER), on the
+// stream that pushed, after the pushes, so the pushed data is visible before the flag.
+//
+// A dead peer (NOTE [reduce-scatter watchdog]): a stream wait has no timeout. The
+// watchdog releases it with ``host_write_words``, which writes from the host on a
+// stream of its own, by the path measured to release a blocked wait (below).
 using StreamWaitValue32Fn = int (*)(cudaStream_t, unsigned long long, unsigned int, unsigned int);
 using StreamWriteValue32Fn = int (*)(cudaStream_t, unsigned long long, unsigned int, unsigned int);
+using DeviceGetAttributeFn = int (*)(int*, int, int);
+using MemsetD32AsyncFn = int (*)(unsigned long long, unsigned int, size_t, cudaStream_t);
+using MemsetD16AsyncFn = int (*)(unsigned long long, unsigned short, size_t, cudaStream_t);
 
 void* driver_entry(const char* name) {
   void* fn = nullptr;
@@ -743,11 +762,44 @@ void* driver_entry(const char* name) {
   return fn;
 }
 
+// CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1 (92) and CAN_FLUSH_REMOTE_WRITES (98),
+// by number: cuda.h is not included (the host-compiler build has only the runtime's headers).
+constexpr int kAttrStreamMemOpsV1 = 92;
+constexpr int kAttrCanFlushRemoteWrites = 98;
+constexpr unsigned int kWaitEq = 0x1;      // CU_STREAM_WAIT_VALUE_EQ
+constexpr unsigned int kWaitFlush = 1u << 30;  // CU_STREAM_WAIT_VALUE_FLUSH
+
+int device_attribute(int attr, int device) {
+  static auto fn = reinterpret_cast<DeviceGetAttributeFn>(driver_entry("cuDeviceGetAttribute"));
+  int v = -1;
+  int rc = fn(&v, attr, device);
+  return rc == 0 ? v : -1;
+}
+
+// The wait's flags for ``device``: EQ, and FLUSH where the device can flush remote writes.
+unsigned int wait_flags(int device) {
+  static std::mutex mu;
+  static std::vector<int> cached;
+  std::lock_guard<std::mutex> lk(mu);
+  if (device >= static_cast<int>(cached.size())) cached.resize(device + 1, -1);
+  if (cached[device] < 0) {
+    cached[device] = static_cast<int>(kWaitEq | (device_attribute(kAttrCanFlushRemoteWrites, device) == 1 ? kWaitFlush : 0u));
+  }
+  return static_cast<unsigned int>(cached[device]);
+}
+
+std::vector<int64_t> stream_flags_info() {
+  int device = c10::cuda::current_device();
+  return {device_attribute(kAttrStreamMemOpsV1, device), device_attribute(kAttrCanFlushRemoteWrites, device),
+          static_cast<int64_t>(wait_flags(device))};
+}
+
 void stream_wait_value32(int64_t addr, int64_t value) {
   static auto fn = reinterpret_cast<StreamWaitValue32Fn>(driver_entry("cuStreamWaitValue32"));
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  // CU_STREAM_WAIT_VALUE_EQ (1): the flag is exactly 0 or 1.
-  int rc = fn(stream, static_cast<unsigned long long>(addr), static_cast<unsigned int>(value), 1u);
+  // EQ on the value (a tag, or 1 for a free flag); FLUSH where the device supports it.
+  int rc = fn(stream, static_cast<unsigned long long>(addr), static_cast<unsigned int>(value),
+              wait_flags(c10::cuda::current_device()));
   TORCH_CHECK(rc == 0, "torch_ce: cuStreamWaitValue32 failed (CUresult ", rc, ")");
 }
 
@@ -755,9 +807,46 @@ void stream_write_value32(int64_t addr, int64_t value) {
   static auto fn = reinterpret_cast<StreamWriteValue32Fn>(driver_entry("cuStreamWriteValue32"));
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   // CU_STREAM_WRITE_VALUE_DEFAULT (0): ordered after the stream's earlier work,
-  // its writes (the pushed slices) visible before the flag.
+  // with a memory barrier before it: its writes (the pushed slices) visible before the flag.
   int rc = fn(stream, static_cast<unsigned long long>(addr), static_cast<unsigned int>(value), 0u);
   TORCH_CHECK(rc == 0, "torch_ce: cuStreamWriteValue32 failed (CUresult ", rc, ")");
+}
+
+// The watchdog's writes (NOTE [reduce-scatter watchdog]): ``count`` words of ``width``
+// bytes (4 or 2) at ``addr`` set to ``value`` from the host, on a non-blocking stream of
+// this library's own (default priority), not waited for. ``method``: 2 cuMemsetD32Async /
+// cuMemsetD16Async, 3 cuStreamWriteValue32 (one 32-bit word). Measured on an H200 (run 59,
+// bench/compare/rs_release_probe.py): both release a stream blocked in cuStreamWaitValue32
+// while the legacy default stream waits behind it; a synchronous cuMemsetD32 or
+// cuMemcpyHtoD does not (they queue behind the legacy stream, or block the caller).
+// Returns the CUresult.
+int64_t host_write_words(int64_t addr, int64_t value, int64_t count, int64_t width, int64_t method) {
+  TORCH_CHECK(width == 4 || width == 2, "torch_ce: host_write_words: width 4 or 2");
+  TORCH_CHECK(method == 2 || (method == 3 && width == 4 && count == 1),
+              "torch_ce: host_write_words: method 2, or 3 for one 32-bit word; got ", method);
+  auto dptr = static_cast<unsigned long long>(addr);
+  static std::mutex mu;
+  static std::vector<cudaStream_t> own;
+  cudaStream_t stream = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    int device = c10::cuda::current_device();
+    if (device >= static_cast<int>(own.size())) own.resize(device + 1, nullptr);
+    if (own[device] == nullptr) {
+      CE_CUDA_CHECK(cudaStreamCreateWithFlags(&own[device], cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    }
+    stream = own[device];
+  }
+  if (method == 3) {
+    static auto fn = reinterpret_cast<StreamWriteValue32Fn>(driver_entry("cuStreamWriteValue32"));
+    return fn(stream, dptr, static_cast<unsigned int>(value), 0u);
+  }
+  if (width == 4) {
+    static auto fn = reinterpret_cast<MemsetD32AsyncFn>(driver_entry("cuMemsetD32Async"));
+    return fn(dptr, static_cast<unsigned int>(value), static_cast<size_t>(count), stream);
+  }
+  static auto fn = reinterpret_cast<MemsetD16AsyncFn>(driver_entry("cuMemsetD16Async"));
+  return fn(dptr, static_cast<unsigned short>(value), static_cast<size_t>(count), stream);
 }
 
 }  // namespace
@@ -785,6 +874,8 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("stale_count(Tensor[] shards) -> int", &stale_count);
   m.def("stream_wait_value32(int addr, int value) -> ()", &stream_wait_value32);
   m.def("stream_write_value32(int addr, int value) -> ()", &stream_write_value32);
+  m.def("stream_flags_info() -> int[]", &stream_flags_info);
+  m.def("host_write_words(int addr, int value, int count, int width, int method) -> int", &host_write_words);
 }
 
 TORCH_LIBRARY_IMPL(torch_ce_native, CompositeImplicitAutograd, m) {

@@ -67,12 +67,13 @@ def loopback_workspaces(world: int, cap: int, dtype: torch.dtype, device="cuda")
 
     recvs = [torch.zeros(2, world, cap, dtype=dtype, device=device) for _ in range(world)]
     flags = [torch.zeros(2, 2, world, dtype=torch.int32, device=device) for _ in range(world)]
+    heads = [torch.zeros(2, world, 2, dtype=torch.int32, device=device) for _ in range(world)]
     for f in flags:
         f[RW.FREE].fill_(1)
     torch.cuda.synchronize()
     key = ("loopback", id(recvs))
     return [RW.Workspace((tuple(range(world)), str(dtype), "cuda", key, r), r, cap, dtype, recvs[r], flags[r],
-                         recvs, flags, [], "") for r in range(world)]
+                         recvs, flags, [], "", head=heads[r], peer_head=heads) for r in range(world)]
 
 
 def loopback_reduce_scatter(wss: list, inputs: list, reduce_op: str = "sum", name: str = "loopback",

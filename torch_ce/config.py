@@ -84,14 +84,18 @@ class Config:
     # Gradient reduce-scatters of graphs the copy_engine transport serves: "collective"
     # (the group's backend, as without torch_ce) or "copy_engine": pushes into the peers'
     # receive workspaces, flags, one reduction, no collective and no barrier (NOTE
-    # [copy-engine reduce-scatter] in runtime/reduce_scatter.py). Host transport (CPU) only
-    # in this build: CUDA reduce-scatters stay on the collective, with the reason.
+    # [copy-engine reduce-scatter] in runtime/reduce_scatter.py), on CUDA (the C++ library's
+    # stream flag ops) and on the host transport (x86 hosts). A push carries its call's
+    # identity: ranks that run different reduce-scatters get an error naming both calls.
     reduce_scatter: str = "collective"
     # One reduce-scatter workspace (per group and dtype: two halves, a slice per sender)
     # holds at most this many MiB; a bucket whose slices do not fit stays on the collective.
     rs_workspace_cap_mib: float = 1024.0
     # How long a reduce-scatter waits for a peer's push (or for a peer to free a half)
-    # before it raises, naming the bucket and the peer.
+    # before it raises, naming the bucket and the peer (CUDA: the watchdog then releases
+    # the stream, the call's outputs are NaN, and the next call raises); also the bound on
+    # a workspace round's waits. A failure ends that pool's generation only: the next call
+    # opens a new one.
     rs_timeout_s: float = 300.0
 
     def validate(self) -> "Config":

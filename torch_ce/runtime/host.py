@@ -8,7 +8,10 @@ Each rank creates ``/dev/shm/<job>_<group>_<dtype>_<n>_r<rank>``, where ``job`` 
 lowest rank's ``config.shm_prefix`` (``torch_ce_`` by default) and a random token of the
 bind (runtime/binding.py); after one exchange every rank maps its peers' segments, and
 after a second the names are unlinked: the mappings live on, and nothing of ours is left
-in /dev/shm even if the job dies later.
+in /dev/shm even if the job dies later. A name lives no longer than that (issue 46): at
+world 2 a rank unlinks its peer's name as soon as it has mapped it (it is its only other
+reader), and when the exchanges fail here (a peer killed mid-bind, a timeout) this rank
+unlinks every name of the bind, its peers' too, so a killed rank leaves no segment.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ def open_windows(windows: list[Window], rnd, tag: str, job: str) -> None:
     if not windows:
         return
     mine = []
+    ok = False
     try:
         for w in windows:
             name = segment_name(job, w.group_ranks, w.pool_key[1], w.index, w.rank)
@@ -60,15 +64,26 @@ def open_windows(windows: list[Window], rnd, tag: str, job: str) -> None:
                     continue
                 name = segment_name(job, w.group_ranks, w.pool_key[1], w.index, r)
                 mm = _map(os.path.join(SHM_DIR, name), max(w.nbytes, 1), create=False)
+                if w.group_size == 2:
+                    _unlink(os.path.join(SHM_DIR, name))  # this rank is its only other reader
                 w.handle.append(mm)
                 w.peer_locals.append(torch.frombuffer(mm, dtype=torch.uint8, count=w.nbytes))
         rnd.exchange(f"host-mapped{tag}", True)
+        ok = True
     finally:
         for path in mine:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            _unlink(path)
+        if not ok:  # a failed bind: a killed peer's names too (idempotent)
+            for w in windows:
+                for r in range(w.group_size):
+                    _unlink(os.path.join(SHM_DIR, segment_name(job, w.group_ranks, w.pool_key[1], w.index, r)))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def slot_local_view(slot: Slot) -> torch.Tensor:

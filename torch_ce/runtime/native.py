@@ -351,3 +351,18 @@ def stream_wait_value32(addr: int, value: int) -> None:
 def stream_write_value32(addr: int, value: int) -> None:
     """The current stream writes ``value`` to the 32-bit word at ``addr``, after its work."""
     torch.ops.torch_ce_native.stream_write_value32(int(addr), int(value))
+
+
+def stream_flags_info() -> list[int]:
+    """[CAN_USE_STREAM_MEM_OPS_V1, CAN_FLUSH_REMOTE_WRITES, the flags the waits use] of
+    the current device (NOTE [stream flags])."""
+    return list(torch.ops.torch_ce_native.stream_flags_info())
+
+
+def host_write_words(addr: int, value: int, count: int, width: int, method: int) -> int:
+    """``count`` words of ``width`` bytes at ``addr`` set to ``value`` from the host, on the
+    library's own non-blocking stream, not waited for: how the reduce-scatter watchdog
+    releases a stream wait whose writer is gone (NOTE [reduce-scatter watchdog]).
+    Returns the CUresult."""
+    return int(torch.ops.torch_ce_native.host_write_words(int(addr), int(value), int(count), int(width),
+                                                          int(method)))

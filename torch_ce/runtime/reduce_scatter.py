@@ -10,9 +10,12 @@ inputs' chunks j, back to back. Call n of the pool uses half h = n % 2, in two p
   launch (the op)
     1. push     for each peer j, from i+1 on (so the ranks do not all start at rank 0):
                 wait free[h, j] (j reduced what i pushed into its half h two calls ago),
-                copy the slice for j into j's recv[h, i], set j's data[h, i]
+                copy the slice for j into j's recv[h, i], write (seq, numel) into j's
+                head[h, i], set j's data[h, i] to the call's tag
   complete (its wait: ``wait_tensor`` on CUDA, at once on the host)
-    2. wait     for each peer j: wait data[h, j] (j pushed i's slice)
+    2. wait     for each peer j: wait data[h, j] == this call's tag (j pushed i's slice
+                of this call; another value is another call's push: an error naming
+                both, NOTE [reduce-scatter workspaces]), before anything is reduced
     3. reduce   output = sum over group index 0, 1, ..., W-1 of chunk i, this rank's own
                 read in place from its input (never copied), the peers' from recv[h, j];
                 in fp32 (bf16 inputs: rounded once at the end); ``avg`` divides by W after
@@ -42,7 +45,10 @@ waiters, so a replay starts from the state the capture started from.
 
 Every rank runs every step; a peer that never pushes is a ``ReduceScatterError`` naming
 the bucket and the peer within ``rs_timeout_s`` (host: the flag poll; CUDA: the watchdog
-thread, NOTE [reduce-scatter watchdog]), and its peers' waits end too. A bucket whose slice
+thread releases the stream, NaN outputs, and the next call raises: NOTE [reduce-scatter
+watchdog]), and its peers' waits end too (the generation's abort, the retracted pushes).
+A failure drops the pool on the rank that sees it; the next call opens a new generation
+(NOTE [reduce-scatter workspaces]). A bucket whose slice
 does not fit a workspace under ``rs_workspace_cap_mib`` runs the group's collective
 instead, on every rank (the sizes are the same on all), and says so once per bucket.
 """
@@ -58,7 +64,7 @@ from typing import Sequence
 import torch
 
 from . import rs_workspace as RW
-from .rs_workspace import DATA, FREE, ReduceScatterError
+from .rs_workspace import DATA, FREE, RETRACT, ReduceScatterError
 
 log = logging.getLogger("torch_ce")
 
@@ -147,12 +153,19 @@ class _Host:
     """Flags are words of the shared mappings; the host polls them (bounded)."""
 
     @staticmethod
-    def wait(ws, kind: int, half: int, peer: int, what: str) -> None:
-        RW.wait_flag(ws, kind, half, peer, what)
+    def wait(ws, kind: int, half: int, peer: int, call: "Call") -> None:
+        RW.wait_flag(ws, kind, half, peer, call.what, call.tag if kind == DATA else 1, call.seq, call.numel)
 
     @staticmethod
-    def signal(ws, peer: int, kind: int, half: int, sender: int) -> None:
-        ws.peer_flags[peer][kind, half, sender] = 1
+    def signal_free(ws, peer: int, half: int, sender: int) -> None:
+        ws.peer_flags[peer][FREE, half, sender] = 1
+
+    @staticmethod
+    def signal_data(ws, peer: int, half: int, sender: int, call: "Call") -> None:
+        head = ws.peer_head[peer][half, sender]
+        head[0] = call.seq
+        head[1] = call.numel
+        ws.peer_flags[peer][DATA, half, sender] = call.tag  # after the slice and the header (TSO)
 
 
 class _Cuda:
@@ -160,18 +173,31 @@ class _Cuda:
     them (NOTE [stream flags] in csrc/ce_ops.cu), never an SM kernel."""
 
     @staticmethod
-    def wait(ws, kind: int, half: int, peer: int, what: str) -> None:
+    def wait(ws, kind: int, half: int, peer: int, call: "Call") -> None:
         from . import native
 
+        expect = call.tag if kind == DATA else 1
         addr = ws.flags[kind, half, peer].data_ptr()
-        native.stream_wait_value32(addr, 1)
+        native.stream_wait_value32(addr, expect)  # EQ: another call's tag never satisfies it
         native.stream_write_value32(addr, 0)
+        call.waits.append((kind, half, peer, expect))
 
     @staticmethod
-    def signal(ws, peer: int, kind: int, half: int, sender: int) -> None:
+    def signal_free(ws, peer: int, half: int, sender: int) -> None:
         from . import native
 
-        native.stream_write_value32(ws.peer_flags[peer][kind, half, sender].data_ptr(), 1)
+        native.stream_write_value32(ws.peer_flags[peer][FREE, half, sender].data_ptr(), 1)
+
+    @staticmethod
+    def signal_data(ws, peer: int, half: int, sender: int, call: "Call") -> None:
+        from . import native
+
+        head = ws.peer_head[peer][half, sender]
+        native.stream_write_value32(head[0].data_ptr(), call.seq)
+        native.stream_write_value32(head[1].data_ptr(), call.numel)
+        # Default flags: a memory barrier before the write, on the stream that pushed, so
+        # the slice and the header are visible before the tag (NOTE [stream flags]).
+        native.stream_write_value32(ws.peer_flags[peer][DATA, half, sender].data_ptr(), call.tag)
 
 
 # ---------------------------------------------------------------------------------------
@@ -192,12 +218,17 @@ class Call:
     what: str
     name: str
     nbytes: int
+    seq: int = 0  # the call's number in its pool's generation (1, 2, ...)
+    numel: int = 0  # elements per rank
+    tag: int = 0  # its data flags' value (rs_workspace.call_tag)
     pushed: object = None  # CUDA: the event after the pushes
     done: object = None  # CUDA: the event after the completion
     completed: bool = False
+    recorded: bool = False  # CUDA: ``done`` recorded (the watchdog watches the call from before)
+    waits: list = dataclasses.field(default_factory=list)  # CUDA: (kind, half, peer, value) enqueued
 
 
-_pending: dict[tuple, dict[int, Call]] = {}  # pool key -> half -> its call owed a completion
+_pending: dict[tuple, dict[int, Call]] = {}  # (pool key, generation) -> half -> its call owed a completion
 
 
 def _streams(device: torch.device) -> tuple:
@@ -207,27 +238,36 @@ def _streams(device: torch.device) -> tuple:
     return s
 
 
-_STREAMS: dict = {}
+_STREAMS = RW.STREAMS
 
 
-def launch(ws: RW.Workspace, inputs: Sequence[torch.Tensor], reduce_op: str, name: str) -> Call:
+def launch(ws: RW.Workspace, inputs: Sequence[torch.Tensor], reduce_op: str, name: str,
+           sig: tuple | None = None) -> Call:
     """Step 1 (module NOTE), and the outputs allocated; a half still owed a completion
-    by this rank is completed first."""
+    by this rank is completed first. A pool whose last call failed raises (its error) and
+    is dropped: the next call opens a new generation."""
+    if ws.failed:
+        RW.drop(ws)
+        raise ReduceScatterError(ws.failed)
     w, i = ws.group_size, ws.index
-    owed = _pending.get(ws.key, {}).pop(ws.calls % 2, None)
+    pkey = (ws.key, ws.gen)
+    owed = _pending.get(pkey, {}).pop(ws.calls % 2, None)
     if owed is not None:
         complete(owed)
     h = ws.calls % 2
     ws.calls += 1
+    numel, sig_text = sig or RW.signature(inputs, reduce_op, w)
     flat = [x.contiguous().view(-1) for x in inputs]
     ns = [f.numel() // w for f in flat]
     outs = [torch.empty((x.shape[0] // w, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in inputs]
     call = Call(ws, h, list(inputs), flat, ns, outs, reduce_op,
-                f"reduce-scatter {name} (call {ws.calls} of group {list(ws.key[0])})", name,
-                sum(f.numel() for f in flat) * inputs[0].element_size())
+                f"reduce-scatter {name} (call {ws.calls} of generation {ws.gen} of group {list(ws.key[0])})",
+                name, sum(f.numel() for f in flat) * inputs[0].element_size(),
+                seq=ws.calls, numel=numel, tag=RW.call_tag(ws.calls, sig_text))
     cuda = inputs[0].is_cuda
     T = _Cuda if cuda else _Host
     if cuda:
+        _prepare_watch(ws)  # before this call's waits: it allocates pinned memory
         copy_stream, _ = _streams(inputs[0].device)
         copy_stream.wait_stream(torch.cuda.current_stream())
         ctx = torch.cuda.stream(copy_stream)
@@ -236,16 +276,16 @@ def launch(ws: RW.Workspace, inputs: Sequence[torch.Tensor], reduce_op: str, nam
     with ctx:
         for k in range(1, w):
             j = (i + k) % w
-            T.wait(ws, FREE, h, j, call.what)
+            T.wait(ws, FREE, h, j, call)
             dst, off = ws.peer_recv[j][h, i], 0
             for f, n in zip(flat, ns, strict=True):
                 dst[off:off + n].copy_(f[j * n:(j + 1) * n], non_blocking=True)
                 off += n
-            T.signal(ws, j, DATA, h, i)
+            T.signal_data(ws, j, h, i, call)
         if cuda:
             call.pushed = torch.cuda.Event()
             call.pushed.record()
-    _pending.setdefault(ws.key, {})[h] = call
+    _pending.setdefault(pkey, {})[h] = call
     return call
 
 
@@ -256,7 +296,7 @@ def complete(call: Call) -> None:
         return
     call.completed = True
     ws, h, w, i = call.ws, call.half, call.ws.group_size, call.ws.index
-    pend = _pending.get(ws.key, {})
+    pend = _pending.get((ws.key, ws.gen), {})
     if pend.get(h) is call:
         del pend[h]
     cuda = call.outs[0].is_cuda
@@ -265,22 +305,26 @@ def complete(call: Call) -> None:
         _, reduce_stream = _streams(call.outs[0].device)
         reduce_stream.wait_event(call.pushed)  # after the launch's current stream, and the pushes
         ctx = torch.cuda.stream(reduce_stream)
+        call.done = torch.cuda.Event()
+        # Watched before its waits are enqueued: a host thread that then blocks (the first
+        # launch of a kernel behind a blocked wait loads its module, and CUDA's lazy loading
+        # waits for the device) is released by the watchdog all the same.
+        _watch(call)
     else:
         ctx = _nullcontext()
     with ctx:
-        for k in range(1, w):
-            T.wait(ws, DATA, h, (i + k) % w, call.what)
+        for k in range(1, w):  # every sender checked before anything is reduced
+            T.wait(ws, DATA, h, (i + k) % w, call)
         off = 0
         for f, n, out in zip(call.flat, call.ns, call.outs, strict=True):
             srcs = [f[i * n:(i + 1) * n] if j == i else ws.recv[h, j, off:off + n] for j in range(w)]
             _reduce(srcs, out.view(-1), call.reduce_op, w)
             off += n
         for k in range(1, w):
-            T.signal(ws, (i + k) % w, FREE, h, i)
+            T.signal_free(ws, (i + k) % w, h, i)
         if cuda:
-            call.done = torch.cuda.Event()
             call.done.record()
-            _watch(call)
+            call.recorded = True
 
 
 def _reduce(srcs: list, out: torch.Tensor, reduce_op: str, w: int) -> None:
@@ -356,17 +400,45 @@ def _register(call: Call) -> None:
 
 
 # NOTE [reduce-scatter watchdog]
-# A GPU stream wait has no timeout of its own. Each completed call's event goes to one
-# watchdog thread per process, which polls it (cudaEventQuery: no sync) while it is not
-# done; one past ``rs_timeout_s`` is logged as an error naming the bucket and the peers
-# it waits for, and the next reduce-scatter on this rank raises that error (the stream
-# stays blocked: like NCCL's watchdog, the job must then be torn down). Not under CUDA-graph
-# capture: a captured event is not queried, and a replay runs no host code.
+# A GPU stream wait has no timeout of its own. Each completed call goes to one watchdog
+# thread per process, which polls its event (cudaEventQuery: no sync) while it is not done,
+# and, every quarter second, the store for its generation's abort (off the call's path). A
+# call past ``rs_timeout_s``, or whose generation a peer aborted, is released:
+#   1. it reads the call's flag and header words (a copy on a side stream, bounded) to name
+#      the peer that did not push, or the other call a peer pushed (the wait is EQ on the
+#      tag, so another call's push is stuck here too);
+#   2. it marks the pool failed, posts the generation's abort and logs the error; then it
+#      fills the peers' slices of the call in this rank's half with NaN and writes each
+#      awaited flag's value itself (``host_write_words``: from the host, asynchronously, on
+#      a non-blocking stream of its own: what released a blocked wait in
+#      bench/results/run59_rs_integrity_h200.log, where a synchronous memset queued behind
+#      the blocked work and a synchronous copy blocked its caller), so the stream goes on:
+#      the call's outputs are NaN, never a plausible wrong sum;
+#   3. unless a peer pushed another call (a mismatch: that peer sees it too), it writes
+#      RETRACT into the peers' data flags of the call (a peer that has not consumed this
+#      rank's push fails the call too). The next reduce-scatter on the pool raises the
+#      error naming the bucket and the peer and drops the pool (the one after opens a new
+#      generation; ``release_all()`` drops every pool).
+# A call is watched from before its waits are enqueued, and the pinned memory the watchdog
+# reads into is allocated before any of the workspace's waits: a page-locked allocation, or
+# the first launch of a kernel (CUDA's lazy module loading), behind a blocked wait can block
+# the host thread that makes it (the probe's first run hung there), and the watchdog still
+# releases the call. Open: the release end to end on a GPU (run 59's test ran a first
+# version that called a wrapper not yet written), and the own-stream writes under
+# CUDA_DEVICE_MAX_CONNECTIONS=1 (measured under the default queues only; docs/DESIGN.md).
+# A host blocked in ``torch.cuda.synchronize()`` (or ``loss.item()``) therefore returns
+# within ``rs_timeout_s`` plus the poll; what it computed from the call is NaN.
+# Not under CUDA-graph capture: a captured event is not queried and a replay runs no host
+# code, so nothing covers a dead peer there but the job's own teardown (the launcher's
+# timeout, or an NCCL collective's watchdog); a replay whose peer is gone blocks its stream.
 _watch_lock = threading.Lock()
-_watched: list = []  # (deadline, event, what) of completions not yet seen done
-_failed: list[str] = []
+_watched: list = []  # [deadline, call] of completions not yet seen done
 _watcher: list = []  # the running thread, if any
 _stopping = threading.Event()
+_NAN = {torch.float32: (0x7FC00000, 4), torch.bfloat16: (0x7FC0, 2)}
+# How the watchdog writes a flag word: 2 cuMemsetD32Async, 3 cuStreamWriteValue32, both on
+# the library's own non-blocking stream (both released a blocked wait in run 59).
+_FLAG_WRITE = 2
 
 
 def _watch(call: Call) -> None:
@@ -375,33 +447,61 @@ def _watch(call: Call) -> None:
     from ..config import config
 
     with _watch_lock:
-        _watched.append((time.monotonic() + float(config.rs_timeout_s), call.done, call.what))
+        _watched.append([time.monotonic() + float(config.rs_timeout_s), call])
         if not _watcher or not _watcher[0].is_alive():
             t = threading.Thread(target=_watchdog, name="torch_ce_rs_watchdog", daemon=True)
             _watcher[:] = [t]
             t.start()
 
 
+def _prepare_watch(ws: RW.Workspace) -> None:
+    """Once per workspace, before any of its waits is enqueued: the watchdog's side
+    stream and pinned copies of the flags (a page-locked allocation may wait for the
+    device, so the watchdog never makes one, and none is made behind a blocked wait)."""
+    if ws.host_words is not None or torch.cuda.is_current_stream_capturing():
+        return
+    dev = ws.flags.device
+    side = _SIDE.get(dev.index)
+    if side is None:
+        side = _SIDE[dev.index] = torch.cuda.Stream(device=dev)
+    ws.host_words = (side, torch.empty(ws.flags.shape, dtype=torch.int32, pin_memory=True),
+                     torch.empty(ws.head.shape, dtype=torch.int32, pin_memory=True))
+
+
 def _watchdog() -> None:
     """Runs while some completion is pending; ends when none is (``_watch`` starts it
     again) or at interpreter exit (no CUDA call may run during teardown)."""
-    while not _stopping.wait(0.05):
+    next_abort = time.monotonic() + RW._ABORT_EVERY_S
+    while not _stopping.wait(0.02):
         with _watch_lock:
             items = list(_watched)
         pending = []
+        now = time.monotonic()
+        look = now >= next_abort
+        if look:
+            next_abort = now + RW._ABORT_EVERY_S
         for item in items:
-            deadline, ev, what = item
+            deadline, call = item
             try:
-                if ev.query():
+                if call.recorded and call.done.query():
                     continue
             except Exception:  # noqa: BLE001 (a failed context: reported as not done)
                 pass
-            if time.monotonic() > deadline:
-                msg = (f"torch_ce: {what}: a peer did not push its slice (or free a half) within "
-                       "rs_timeout_s; the GPU stream is still waiting (a rank that crashed, hangs, or "
-                       "runs other graphs than its peers?)")
-                log.error("%s", msg)
-                _failed.append(msg)
+            ws = call.ws
+            why = None
+            if ws.failed:
+                why = ws.failed  # another call of the pool was released: this one goes too
+            elif now > deadline:
+                why = "timeout"
+            elif look:
+                msg = RW._aborted(ws.key[0], ws.gen)
+                if msg is not None:
+                    why = f"a peer gave up: {msg}"
+            if why is not None:
+                try:
+                    _release(call, why)
+                except Exception as e:  # noqa: BLE001 (logged: the watchdog must go on)
+                    log.error("torch_ce: %s: releasing its stream failed: %s", call.what, e)
                 continue
             pending.append(item)
         with _watch_lock:
@@ -410,6 +510,92 @@ def _watchdog() -> None:
             if not _watched:
                 _watcher.clear()
                 return
+
+
+_SIDE: dict = {}  # device index -> the watchdog's side stream (its reads)
+
+
+def _read_words(ws: RW.Workspace) -> tuple | None:
+    """This rank's flags and header as host lists, by a copy on a side stream, or None
+    when that copy does not finish within a second (diagnostics only)."""
+    if ws.host_words is None:
+        return None
+    try:
+        side, flags, head = ws.host_words
+        with torch.cuda.stream(side):
+            flags.copy_(ws.flags, non_blocking=True)
+            head.copy_(ws.head, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+        t0 = time.monotonic()
+        while not ev.query():
+            if time.monotonic() - t0 > 1.0:
+                return None
+            time.sleep(0.001)
+        return flags.tolist(), head.tolist()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _release(call: Call, why: str) -> None:
+    """NOTE [reduce-scatter watchdog], steps 1-3: name, poison and release, fail."""
+    from ..config import config
+    from . import native
+
+    ws = call.ws
+    ranks, h = ws.key[0], call.half
+    with torch.cuda.device(ws.flags.device):
+        words = _read_words(ws)
+        stuck = [(k, j, v) for k, hh, j, v in call.waits if hh == h]
+        names = []
+        for kind, j, value in stuck:  # a data flag of 0: not pushed (a consumed one is also 0:
+            if kind != DATA:          # the peers named are those the call may still wait for)
+                continue
+            seen = words[0][kind][h][j] if words else None
+            if seen == RETRACT:
+                names.append(f"rank {ranks[j]} gave up on this call")
+            elif seen not in (None, 0, value):
+                pseq, pnumel = words[1][h][j]
+                names.append(f"rank {ranks[j]} pushed another call (its call {pseq}, {pnumel} elements "
+                             f"per rank, where this rank runs its call {call.seq}, {call.numel} elements "
+                             "per rank: the ranks run different reduce-scatters here)")
+            elif seen != value:
+                names.append(f"rank {ranks[j]} did not push its slice")
+        mismatch = any("pushed another call" in n for n in names)
+        if not names:
+            names = [f"rank {ranks[j]} did not free its receive half (or push its slice)"
+                     for k, j, _ in stuck if k == FREE]
+        if why == "timeout":
+            why = f"not done within {float(config.rs_timeout_s):g} s (rs_timeout_s)"
+        msg = (f"torch_ce: {call.what}: {why}; " + ("; ".join(names) or f"waiting for ranks "
+               f"{[ranks[j] for _, j, _ in stuck]}") + ". The stream was released and the call's "
+               "outputs are NaN (a rank that crashed, hangs, or runs other graphs than its peers?)")
+        if not ws.failed:  # before the stream goes on: a host that returns from a sync sees it
+            ws.failed = msg
+        RW.post_abort(ranks, ws.gen, f"rank {ranks[ws.index]}: {msg}")
+        log.error("%s", msg)
+        fill, width = _NAN[ws.dtype]
+        # Both paths are asynchronous (measured: a synchronous write queues behind the
+        # blocked stream or blocks its caller), so the watchdog never blocks.
+        for kind, j, value in stuck:  # stream order: the launch's free waits, then the data waits
+            rc = 0
+            if kind == DATA:
+                rc = native.host_write_words(ws.recv[h, j].data_ptr(), fill, call.numel, width, 2)
+            rc = rc or native.host_write_words(ws.flags[kind, h, j].data_ptr(), value, 1, 4, _FLAG_WRITE)
+            if rc:
+                raise ReduceScatterError(f"torch_ce: {call.what}: the watchdog's write failed (CUresult {rc})")
+        for j in range(ws.group_size):  # a mismatch is symmetric: the peer sees it too
+            if j != ws.index and not mismatch:
+                try:
+                    native.host_write_words(ws.peer_flags[j][DATA, h, ws.index].data_ptr(), RETRACT, 1, 4, 2)
+                except Exception:  # noqa: BLE001 (a peer's memory may be gone with it)
+                    pass
+        t0 = time.monotonic()
+        while not (call.recorded and call.done.query()) and time.monotonic() - t0 < 2.0:
+            time.sleep(0.002)
+        if not (call.recorded and call.done.query()):
+            log.error("torch_ce: %s: the watchdog's writes did not release the stream within 2 s",
+                      call.what)
 
 
 def _stop_watchdog() -> None:
@@ -432,8 +618,6 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], reduce_op: str, group_size: i
     ``[rows / group_size, ...]``, this rank's chunk summed over the group."""
     name = name or f"a bucket of {len(inputs)} input(s)"
     _check(inputs, reduce_op, group_size, name)
-    if _failed:
-        raise ReduceScatterError(_failed[0])
     if group_size == 1:
         return [x.clone() for x in inputs]
     ranks, i = _group(group_name, group_size, name)
@@ -444,12 +628,18 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], reduce_op: str, group_size: i
         _note(name, nbytes, False, "the C++ library (csrc/ce_ops.cu) with the stream flag ops is not "
                                    "built or not loaded")
         return _collective(inputs, reduce_op, group_size, group_name)
-    ws = RW.get(ranks, i, inputs[0].dtype, dev, need, name)
+    if dev.type == "cpu":
+        why = RW.host_order_refusal()  # the same host kind on every rank of a host job
+        if why:
+            _note(name, nbytes, False, why)
+            return _collective(inputs, reduce_op, group_size, group_name)
+    sig = RW.signature(inputs, reduce_op, group_size)
+    ws = RW.get(ranks, i, inputs[0].dtype, dev, need, name, sig[1])
     if ws is None:
         cap = RW.workspace_bytes(group_size, need, inputs[0].dtype)
         _note(name, nbytes, False, f"its workspace ({cap:,d} B) passes rs_workspace_cap_mib")
         return _collective(inputs, reduce_op, group_size, group_name)
-    call = launch(ws, inputs, reduce_op, name)
+    call = launch(ws, inputs, reduce_op, name, sig)
     if dev.type == "cpu":
         complete(call)
     else:
@@ -469,3 +659,5 @@ def release() -> None:
     served.clear()
     _pending.clear()
     _live_works.clear()
+    with _watch_lock:
+        _watched.clear()
