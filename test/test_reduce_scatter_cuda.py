@@ -236,7 +236,8 @@ def test_dead_peer_child():
 @pytest.mark.parametrize("connections", ["default", pytest.param("1", marks=pytest.mark.xfail(
     strict=True, reason="one hardware queue: the watchdog's flag write on its own stream queues "
     "behind the blocked wait (one H200, torch 2.11: hung to the hard timeout); releasing it needs "
-    "flags the host can store to (host-mapped memory), not built yet"))])
+    "flags the host can store to (host-mapped memory), not built yet; until then the op keeps the "
+    "collective under one queue (rs_workspace.one_queue_refusal)"))])
 def test_dead_peer_releases_the_host(connections):
     env = dict(os.environ, CE_TEST_DEAD_PEER="1")
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)

@@ -244,3 +244,19 @@ def test_a_host_that_is_not_x86_keeps_the_collective():
     elsewhere its reduce-scatters stay on the collective, exact, with the reason."""
     a, b = run_ranks(_not_x86, 2, seed_base(), timeout=120)
     assert len(a) == len(b) == 2
+
+
+def test_one_hardware_queue_keeps_the_collective(monkeypatch):
+    """Under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` the watchdog could not release a dead peer's
+    stream wait (run 60): CUDA reduce-scatters stay on the collective, with the reason;
+    any other setting keeps the copy engines."""
+    from torch_ce.runtime import rs_workspace as RW
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    why = RW.one_queue_refusal()
+    assert why and "CUDA_DEVICE_MAX_CONNECTIONS=1" in why and "hang" in why, why
+    for v in ("8", "32"):
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", v)
+        assert RW.one_queue_refusal() is None
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert RW.one_queue_refusal() is None

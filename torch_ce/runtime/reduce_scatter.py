@@ -628,6 +628,11 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], reduce_op: str, group_size: i
         _note(name, nbytes, False, "the C++ library (csrc/ce_ops.cu) with the stream flag ops is not "
                                    "built or not loaded")
         return _collective(inputs, reduce_op, group_size, group_name)
+    if dev.type == "cuda":
+        why = RW.one_queue_refusal()
+        if why:
+            _note(name, nbytes, False, why)
+            return _collective(inputs, reduce_op, group_size, group_name)
     if dev.type == "cpu":
         why = RW.host_order_refusal()  # the same host kind on every rank of a host job
         if why:

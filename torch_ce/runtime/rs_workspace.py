@@ -195,6 +195,20 @@ def host_order_refusal() -> str | None:
             f"is {platform.machine()}")
 
 
+def one_queue_refusal() -> str | None:
+    """Why a CUDA reduce-scatter stays on the collective under one hardware queue: the
+    watchdog's release of a dead peer's wait (NOTE [reduce-scatter watchdog]) is enqueued
+    on a stream, which ``CUDA_DEVICE_MAX_CONNECTIONS=1`` puts behind the blocked wait, so a
+    dead peer would hang the host (measured on an H200, docs/DESIGN.md "No hang"). None
+    otherwise. Read from the environment the driver read: the same on every rank a
+    launcher starts alike."""
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1":
+        return ("CUDA_DEVICE_MAX_CONNECTIONS=1: a dead peer's stream wait could not be released "
+                "(the watchdog's write would queue behind it on the one hardware queue), so the "
+                "copy-engine reduce-scatter would not be hang-free")
+    return None
+
+
 def _capacity(need: int, group_size: int, dtype: torch.dtype) -> int | None:
     """Elements per slice for a bucket of ``need`` (per-rank share): a power of two when
     it fits the cap, else ``need`` itself when that fits, else None (the collective)."""
