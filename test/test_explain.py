@@ -24,7 +24,7 @@ import torch
 import torch_ce
 from mp_harness import TitanEmbedding, fsdp_every_param, run_ranks, setup_compile
 from torch_ce.explanation import Coverage
-from torch_ce.passes.param_names import fqn_from_source
+from torch_ce.passes.param_names import fqn_from_source, roots_of
 from torch_ce.runtime import native
 
 TIMEOUT = 150
@@ -109,6 +109,25 @@ def test_header_names_the_transport_and_the_torch():
 ])
 def test_fqn_from_source(source, fqn):
     assert fqn_from_source(source) == fqn
+
+
+def test_fqn_from_a_decorated_forward():
+    """Hugging Face transformers 5 wraps its forwards (``def wrapper(*args, **kwargs)``): the
+    compiled frame holds the module in ``args[0]``, and names drop that root as they drop
+    ``self`` (issue 47). A root is a module variable, or a module in a tuple, list or dict
+    variable; other elements keep their path."""
+    lin = torch.nn.Linear(2, 2)
+    roots = roots_of({"args": (lin, torch.ones(1)), "kwargs": {"head": lin, "n": 3}, "self": lin,
+                      "xs": [1, lin], "x": torch.ones(1)})
+    assert roots == {("args", "0"), ("kwargs", "head"), ("self",), ("xs", "1")}, roots
+    src = "L['args'][0]._modules['model']._modules['layers']._modules['0']._modules['q_proj']._parameters['weight']"
+    assert fqn_from_source(src, roots) == "model.layers.0.q_proj.weight"
+    assert fqn_from_source(src) == "args.0.model.layers.0.q_proj.weight"  # without the frame's values
+    assert fqn_from_source("L['args'][1]", roots) == "args.1"
+    assert fqn_from_source("L['kwargs']['head']._parameters['bias']", roots) == "bias"
+    # The longest root wins; a plain string is a variable (the older form).
+    assert fqn_from_source("L['self']._modules['a']._parameters['w']", {"self"}) == "a.w"
+    assert fqn_from_source("G['args'][0]._parameters['w']", roots) == "args.0.w"  # globals keep their root
 
 
 # ---------------------------------------------------------------------------------------

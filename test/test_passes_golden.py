@@ -333,11 +333,48 @@ magi.ce_bind([ws.0, ws.1, ws.2, ws.3, ws.4, ws.5, ws.6], [2, 2, 2, 2, 2, 2, 2], 
         g = self.compile_and_run(self.embedding_lm(tied=False), ids, transport="copy_engine")
         self.assertExpectedInline(g, """\
 magi.ce_bind([tok.weight, lin.weight], [2, 2], ['0', '0'], ['tok.weight', 'lin.weight'], ['', ''])
-%0 = magi.ce_gather_rows(tok.weight, t, 2, '0') -> aten.reshape
-%1 = magi.ce_all_gather(lin.weight, 2, '0')
-%2 = _c10d_functional.wait_tensor(%1) -> aten.permute""")
+%0 = magi.ce_gather_rows(tok.weight, t, 2, '0') -> aten.view
+%1 = magi.ce_row_positions(t) -> aten.embedding
+%2 = magi.ce_all_gather(lin.weight, 2, '0')
+%3 = _c10d_functional.wait_tensor(%2) -> aten.permute""")
         rows = report.graphs[-1].bound[0]["rows"]
         self.assertEqual((rows["rows"], rows["row_bytes"], rows["reason"]), (6, 32, ""))
+
+    def test_embedding_rows_from_cast_slot(self):
+        """NOTE [row gathers], a bf16 ``param_dtype`` table (issue 47): the gather reads the
+        table's cast slot, so its lookup reads the slot's rows (never the fp32 shard), and
+        the lookup stays, through its positions (NOTE [row gathers fuse as lookups])."""
+        mesh = self.mesh
+
+        class LM(nn.Module):
+            def __init__(s):
+                super().__init__()
+                s.tok = nn.Embedding(16, 8)
+                s.lin = nn.Linear(8, 8, bias=False)
+                shard_weight(s.tok, mesh, cast=torch.bfloat16)
+                shard_weight(s.lin, mesh, cast=torch.bfloat16)
+
+            def forward(s, t):
+                return s.lin(s.tok(t)).float()
+
+        g = self.compile_and_run(LM(), torch.randint(0, 16, (2, 3)), transport="copy_engine")
+        self.assertExpectedInline(g, """\
+magi.ce_stage([tok.weight, lin.weight], ['bfloat16', 'bfloat16'], [2, 2], ['0', '0'], ['tok.weight', 'lin.weight'], ['', ''], False, [0, 0], True)
+%0 = magi.ce_staged([tok.weight, lin.weight], ['bfloat16', 'bfloat16'], ['0', '0'], True)
+%1 = %0[0]
+%2 = %0[1]
+%3 = magi.ce_gather_rows(%1, t, 2, '0') -> aten.view
+%4 = magi.ce_row_positions(t) -> aten.embedding
+%5 = magi.ce_all_gather(%2, 2, '0')
+%6 = _c10d_functional.wait_tensor(%5) -> aten.permute""")
+        rec = report.graphs[-1]
+        self.assertEqual(rec.refused, [])
+        tok = next(b for b in rec.bound if b["param"] == "tok.weight")
+        # 6 rows of 8 bf16 values: the cast slot's rows, not the fp32 shard's.
+        self.assertEqual((tok["cast_slot"], tok["rows"]["rows"], tok["rows"]["row_bytes"],
+                          tok["rows"]["bytes_per_forward"], tok["rows"]["reason"]),
+                         ("bfloat16", 6, 16, 96, ""))
+        self.assertEqual(tok["ce_gathered_bytes"], 96)
 
     def test_row_gathers_off_keeps_full_gathers(self):
         """row_gathers=False (the bench's ce_fullrows A/B): the table is gathered in full."""

@@ -47,6 +47,11 @@ def _ce_gather_rows_fake(shard: torch.Tensor, ids: torch.Tensor, group_size: int
     return shard.new_empty((*ids.shape, *shard.shape[1:]))
 
 
+@torch.library.register_fake("magi::ce_row_positions")
+def _ce_row_positions_fake(ids: torch.Tensor):
+    return ids.new_empty(ids.shape, dtype=torch.int64)
+
+
 @torch.library.register_fake("magi::ce_stage")
 def _ce_stage_fake(params, dtypes, group_sizes, group_names, names, reasons, refresh, rows=(),
                    static=False) -> None:

@@ -7,7 +7,8 @@ transfers] in passes/reorder.py). The cost of a transfer is in passes/cost.py; `
 
 ``magi.ce_gather_rows`` is compute, not a transfer: it runs on the current stream and has
 no wait, so hoisting it would hide nothing (its SM kernel runs in line with the compute
-either way), and it reads a few rows, not a table (NOTE [row gathers] in passes/rows.py).
+either way), and it reads a few rows, not a table (NOTE [row gathers] in passes/rows.py);
+so is ``magi.ce_row_positions``, the index its lookup reads the rows through.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def register_lowerings() -> None:
         if op not in lowering.lowerings:
             lowering.register_lowering(op, type_promotion_kind=None)(functools.partial(_reduce_scatter_lowering, op))
     for op in (magi.ce_all_gather, magi.ce_all_gather_coalesced, magi.ce_all_gather_dim, magi.ce_bind,
-               magi.ce_prefetch, magi.ce_gather_rows, magi.ce_stage, magi.ce_all_gather_padded,
+               magi.ce_prefetch, magi.ce_gather_rows, magi.ce_row_positions, magi.ce_stage,
+               magi.ce_all_gather_padded,
                magi.ce_reduce_scatter, magi.ce_reduce_scatter_coalesced):
         for overload in op.overloads():
             target = getattr(op, overload)

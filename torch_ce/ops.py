@@ -42,6 +42,13 @@ CUDA a small SM kernel reads the peers' windows (``rows_kernel`` in csrc/ce_rows
 CPU the host transport's views. A shard whose binding was refused by agreement is gathered
 in full by the collective and looked up, on every rank.
 
+    magi::ce_row_positions(Tensor ids) -> Tensor
+
+``arange(ids.numel()).view(ids.shape)`` (int64), as a buffer: the graph's lookup reads the
+row gather's output through it, ``embedding(rows.view(-1, dim), positions)``, so Inductor
+fuses the lookup as it fuses ``embedding(table, ids)`` in the plain graph (NOTE [row
+gathers fuse as lookups] in passes/rows.py).
+
     magi::ce_bind(Tensor(a!)[] shards, int[] group_sizes, str[] group_names, str[] names,
                   str[] reasons, int[] rows=[]) -> ()
 
@@ -278,6 +285,10 @@ def ce_gather_rows(shard: torch.Tensor, ids: torch.Tensor, group_size: int, grou
     raise _unbound_error(shard, group_name, "ce_gather_rows")
 
 
+def ce_row_positions(ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(ids.numel(), device=ids.device).view(ids.shape)
+
+
 def _gather_rows_padded(shard, ids, group_size, group_name, padded_rows, rows):
     """Row r of an uneven table is on rank ``r // padded_rows`` (torch.chunk's layout):
     the even row gather of the padded slots, with the table's own bounds."""
@@ -354,6 +365,7 @@ _lib.define("ce_all_gather_dim(Tensor shard, int group_size, str group_name, int
 _lib.define("ce_staged(Tensor[] params, str[] dtypes, str[] group_names, bool static=False) -> Tensor[]")
 _lib.define("ce_gather_rows(Tensor shard, Tensor ids, int group_size, str group_name, "
             "int padded_rows=0, int rows=0) -> Tensor")
+_lib.define("ce_row_positions(Tensor ids) -> Tensor")
 _lib.define("ce_all_gather_padded(Tensor shard, int rows, int group_size, str group_name) -> Tensor")
 _lib.define("ce_reduce_scatter(Tensor input, str reduce_op, int group_size, str group_name, "
             "str name=\"\") -> Tensor")
@@ -376,6 +388,7 @@ for _key in ("CPU", "CUDA"):
     _lib.impl("ce_stage", ce_stage, _key)
     _lib.impl("ce_staged", ce_staged, _key)
     _lib.impl("ce_gather_rows", ce_gather_rows, _key)  # one per forward: Python is fine
+    _lib.impl("ce_row_positions", ce_row_positions, _key)
     # Python on CUDA too: it hands the padded slot's full view to the C++ gather.
     _lib.impl("ce_all_gather_padded", ce_all_gather_padded, _key)
     _lib.impl("ce_reduce_scatter", ce_reduce_scatter, _key)

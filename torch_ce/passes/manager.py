@@ -128,7 +128,7 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None, *,
         name, param = getattr(key, "name", str(key)), param_names.param_name(key)
         # NOTE [coverage bytes] in report.py: what each gather writes, by where it runs.
         ce, coll = 0, collections.Counter()
-        rw = row_of.get(ok[0].shard) if ok else None
+        rw = row_of.get(key) if ok else None  # by the placeholder (a seed's shard may be its cast slot)
         for s in ss:
             nb = s.nbytes * s.group_size
             if s.unread:  # dropped: nothing gathered

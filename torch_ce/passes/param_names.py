@@ -12,9 +12,11 @@ runs inside that backend call, while Dynamo's ``InstructionTranslator.current_tx
 still set (torch 2.11 and 2.13); we only trust it when its tracing context is the one
 being compiled. A source becomes a module path: ``_modules`` / ``_parameters`` /
 ``_buffers`` are dropped, a root that holds a module (``L['self']`` in a compiled
-forward; ``L['fn']`` for a torch.nn.* module, which torch.compile wraps in a closure) is
-dropped, so the name reads as in ``model.named_parameters()``; any other root keeps its
-name; and ``parametrizations.<name>.original`` (torch's
+forward; ``L['fn']`` for a torch.nn.* module, which torch.compile wraps in a closure;
+``L['args'][0]`` in a decorated forward, ``def wrapper(*args, **kwargs)``, as Hugging Face
+transformers 5 wraps its models' forwards: an element of a tuple, list or dict local that
+is a module) is dropped, so the name reads as in ``model.named_parameters()``; any other
+root keeps its name; and ``parametrizations.<name>.original`` (torch's
 parametrize, as a SimpleFSDP variant uses) becomes ``<name>``.
 
 Anything else (no Dynamo frame, e.g. a hand-built graph, or a graph compiled lazily
@@ -35,18 +37,21 @@ _ROOT = re.compile(r"^([LG])\[\s*'([^']*)'\s*\]")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
 # Without the frame's values: ``self`` (a forward's module) and ``fn`` (the closure of the
 # frame torch.compile wraps around a torch.nn.* module, ``external_utils.wrap_inline``).
-_MODULE_ROOTS = frozenset({"self", "fn"})
+# A root is the path of parts to a module from a frame variable: ``("self",)``, or
+# ``("args", "0")`` for ``L['args'][0]`` (a decorated forward's ``*args``).
+_MODULE_ROOTS = frozenset({("self",), ("fn",)})
 
 
 def fqn_from_source(source_name: str, module_roots=_MODULE_ROOTS) -> str | None:
     """``L['self']._modules['a']._modules['0']._parameters['weight']`` -> ``a.0.weight``
-    (None when the text is not a module-attribute path). A root in ``module_roots`` (a
-    frame variable holding an nn.Module) is dropped: names are relative to that module,
-    as its ``named_parameters()`` gives them."""
+    (None when the text is not a module-attribute path). The longest root in
+    ``module_roots`` (paths from a frame variable to an nn.Module: ``("self",)``,
+    ``("args", "0")``; a plain string is a variable) that the source starts with is dropped:
+    names are relative to that module, as its ``named_parameters()`` gives them."""
     m = _ROOT.match(source_name)
     if m is None:
         return None
-    parts = [] if m.group(1) == "L" and m.group(2) in module_roots else [m.group(2)]
+    parts = [m.group(2)]
     rest, pos = source_name[m.end():], 0
     while pos < len(rest):
         t = _TOKEN.match(rest, pos)
@@ -56,6 +61,10 @@ def fqn_from_source(source_name: str, module_roots=_MODULE_ROOTS) -> str | None:
         part = next(g for g in t.groups() if g is not None)
         if part not in _CONTAINERS:
             parts.append(part)
+    if m.group(1) == "L":
+        roots = [(r,) if isinstance(r, str) else tuple(r) for r in module_roots]
+        drop = max((len(r) for r in roots if tuple(parts[:len(r)]) == r), default=0)
+        parts = parts[drop:]
     # torch.nn.utils.parametrize keeps the tensor at parametrizations.<name>.original[N].
     out: list[str] = []
     i = 0
@@ -68,6 +77,21 @@ def fqn_from_source(source_name: str, module_roots=_MODULE_ROOTS) -> str | None:
             out.append(parts[i])
             i += 1
     return ".".join(out) or None
+
+
+def roots_of(frame_locals: dict) -> frozenset:
+    """The paths from a frame's variables to the modules they hold: a module variable, or a
+    module element of a tuple, list or dict variable (a decorated forward's ``args[0]``)."""
+    roots = set()
+    for k, v in frame_locals.items():
+        if isinstance(v, torch.nn.Module):
+            roots.add((k,))
+        elif isinstance(v, (tuple, list)):
+            roots.update((k, str(i)) for i, x in enumerate(v) if isinstance(x, torch.nn.Module))
+        elif isinstance(v, dict):
+            roots.update((k, key) for key, x in v.items()
+                         if isinstance(key, str) and isinstance(x, torch.nn.Module))
+    return frozenset(roots)
 
 
 def _flat_input_index(desc) -> int | None:
@@ -98,7 +122,7 @@ def _dynamo_sources() -> tuple[list[str], frozenset] | None:
         frame_locals = getattr(getattr(tx.output, "root_tx", tx), "f_locals", None)
         if not isinstance(frame_locals, dict):
             return out, _MODULE_ROOTS
-        return out, frozenset(k for k, v in frame_locals.items() if isinstance(v, torch.nn.Module))
+        return out, roots_of(frame_locals)
     except Exception:  # noqa: BLE001 (names are for people; never fail a compile on them)
         return None
 

@@ -9,7 +9,18 @@ SimpleFSDP weight, after ``rewrite``::
 
 After::
 
-    %ce_gather_rows_default : magi.ce_gather_rows(%w, %ids, 2, '0')
+    %ce_gather_rows_default : magi.ce_gather_rows(%w, %ids, 2, '0')      [*ids.shape, dim]
+    %view : aten.view.default(%ce_gather_rows_default, [N, dim])         N = ids.numel()
+    %ce_row_positions_default : magi.ce_row_positions(%ids)              arange(N), ids' shape
+    %embedding : aten.embedding.default(%view, %ce_row_positions_default[, padding_idx, ...])
+
+An inference graph that casts the table first (``param_dtype``) gathers its cast slot
+(NOTE [cast slots] in runtime/staging.py), and the lookup reads the slot's rows::
+
+    %st : magi.ce_stage([%w], ['bfloat16'], ..., True)      (the bind: the cast, once)
+    %sl : magi.ce_staged([%w], ['bfloat16'], ['0'], True)
+    %s0 : getitem(%sl, 0)                                     (the bf16 cast slot)
+    %ce_gather_rows_default : magi.ce_gather_rows(%s0, %ids, 2, '0')   (and the lookup, as above)
 
 # NOTE [row gathers]
 A forward that looks up a few thousand tokens gathered the whole embedding table first
@@ -38,8 +49,33 @@ embeddings are gathered in full: manager.py), so lookups with them are row gathe
 An uneven table (NOTE [uneven Shard(0): padded slots] in runtime/windows.py) is looked up
 through the row slice after its padded gather; row r then lives on rank ``r // R`` for
 the padded row count R, the same rule, so the op gets R and the table's rows (for the
-bounds check) and the slice goes with the gather. A table gathered from a cast slot keeps
-its full gathers ("gathered from a cast slot").
+bounds check) and the slice goes with the gather.
+
+A table gathered from a cast slot (a ``param_dtype`` inference graph) is looked up in the
+slot: the op reads the rows of what the gather read (the cast slot registered as bound,
+its padded slot when uneven, or at a run-time refusal the plain cast registered as the
+collective's: ops.ce_gather_rows), never the fp32 shard. The slot holds exactly the cast
+the plain graph gathers, so the rows are its rows, bit for bit: the lookup of the gathered
+cast table reads nothing else. The slot costs what it costs anyway (the bind makes it for
+the weight), and no rows are cast per call.
+
+# NOTE [row gathers fuse as lookups]
+The row gather's output is not handed to the lookup's users directly: the lookup stays and
+reads it, ``embedding(rows.view(N, dim), positions)`` with ``positions`` an int64 buffer
+holding ``arange(N)`` in the ids' shape (``magi.ce_row_positions``), the same values as
+``embedding(table, ids)``. What it keeps is Inductor's view of the lookup: in the plain
+graph the lookup is a pointwise read of two buffers (the ids, and the gathered table
+through them) that Inductor inlines into its users, and how many buffers an inlined chain
+reads decides where Inductor stores an intermediate (``realize_reads_threshold``: a
+residual stream read by two users is stored once its chain reads more than 4 buffers).
+With low-precision activations a stored intermediate is rounded to bf16 and an inlined
+one is not (Inductor computes in fp32 inside a kernel), so a lookup of one buffer (the
+rows alone) moved a store of a HF Llama's residual stream by one layer: outputs 1 bf16 ulp
+off the plain compile. Read through its positions the lookup reads two buffers again, at
+the same place, and the kernels are the plain graph's (bit-identical outputs: test/
+test_hf_models_host.py, bf16 ``param_dtype``). The positions cost an ``arange`` of the
+ids per lookup; the rows are read once more (from the op's output, inside the fused
+kernel), as the plain graph reads the gathered table's rows.
 """
 from __future__ import annotations
 
@@ -60,7 +96,6 @@ _OTHER_READ = Refusal(Reason.ROWS_OTHER_READ,
                       "embedding lookup (e.g. a tied LM head)")
 _MAX_NORM = Refusal(Reason.ROWS_MAX_NORM,
                     "full gather: embedding max_norm renormalizes the gathered weight in place")
-_CAST = Refusal(Reason.ROWS_CAST, "full gather: the table is gathered from a cast slot")
 
 
 @dataclasses.dataclass
@@ -74,13 +109,19 @@ class RowWeight:
     lookups: list[tuple[fx.Node, fx.Node, Seed]] = dataclasses.field(default_factory=list)
     reason: Refusal | None = None  # None: every lookup becomes a row gather
 
-    @property
-    def row_bytes(self) -> int:
+    def _row_bytes(self, seed: Seed | None) -> int:
+        """Bytes of one row as ``seed`` gathers it: in its cast slot's dtype, if it has one."""
         val = self.weight.meta["val"]
         n = 1
         for d in val.shape[1:]:  # not val[0]: an uneven table's shard may have no rows
             n *= int(d)
+        if seed is not None and seed.cast_slot and seed.stage_dtype is not None:
+            return n * seed.stage_dtype.itemsize
         return n * val.element_size()
+
+    @property
+    def row_bytes(self) -> int:
+        return self._row_bytes(self.seeds[0] if self.seeds else None)
 
     @property
     def rows(self) -> int | None:
@@ -96,8 +137,10 @@ class RowWeight:
     def account(self) -> dict:
         """What explain() shows for this weight (report.GraphRecord.bound[...]["rows"])."""
         rows = self.rows
+        per = None if rows is None else sum(
+            U.numel(ids.meta.get("val")) * self._row_bytes(s) for _, ids, s in self.lookups)
         return dict(lookups=len(self.lookups), rows=rows, row_bytes=self.row_bytes,
-                    bytes_per_forward=None if rows is None else rows * self.row_bytes,
+                    bytes_per_forward=per,
                     reason=str(self.reason) if self.reason else "",
                     code=int(self.reason.code) if self.reason else 0)
 
@@ -119,14 +162,7 @@ def find(seeds: list[Seed]) -> list[RowWeight]:
             by_weight.setdefault(key, RowWeight(key, [])).seeds.append(s)
     out = []
     for rw in by_weight.values():
-        # Decided from graph facts every rank shares (the cast is on every rank), so every
-        # rank keeps the same full gathers.
-        if any(s.cast_slot for s in rw.seeds):
-            if any(u.op == "call_function" and u.target is aten.embedding.default
-                   for s in rw.seeds for u in _readers(s.wait)):
-                rw.reason = _CAST
-                out.append(rw)
-            continue
+        # A cast-slot gather's lookups read the slot (NOTE [row gathers]): as any other.
         renorm = False
         for s in rw.seeds:
             # An uneven table (NOTE [uneven Shard(0): padded slots]): every reader of the
@@ -151,19 +187,10 @@ def _slice_end(sl: fx.Node) -> int:
     return int(sl.meta["val"].shape[0])
 
 
-def _readers(wait: fx.Node) -> list[fx.Node]:
-    """The wait's users, and the users of its row slices (an uneven table's lookups)."""
-    out = []
-    for u in wait.users:
-        out.append(u)
-        if u.op == "call_function" and u.target in (aten.slice.Tensor, aten.narrow.default):
-            out.extend(u.users)
-    return out
-
-
 def rewrite(graph: fx.Graph, weights: list[RowWeight]) -> set[int]:
-    """Lookups -> ``magi.ce_gather_rows``; the weight's gathers go. Returns the ids of the
-    seeds removed (they take no part in bucketing)."""
+    """Lookups -> ``magi.ce_gather_rows`` of what their gather reads (after
+    ``rewrite.rewrite``: the shard, or its cast slot); the weight's gathers go. Returns the
+    ids of the seeds removed (they take no part in bucketing)."""
     gone: set[int] = set()
     for rw in weights:
         if rw.reason is not None:
@@ -173,11 +200,20 @@ def rewrite(graph: fx.Graph, weights: list[RowWeight]) -> set[int]:
             # for the bounds check): row r is on rank r // padded rows, as in the gather.
             extra = (s.padded_rows, _slice_end(lookup.args[0])) if s.padded_rows else ()
             with graph.inserting_before(lookup):
+                # s.shard: the placeholder, or the cast slot (the staged getitem) that the
+                # retargeted gather reads (rewrite.rewrite ran first).
                 rows = graph.call_function(U.magi.ce_gather_rows.default,
-                                           (rw.weight, ids, s.group_size, s.group_name, *extra))
-            rows.meta["val"] = lookup.meta.get("val")
-            lookup.replace_all_uses_with(rows)
-            graph.erase_node(lookup)
+                                           (s.shard, ids, s.group_size, s.group_name, *extra))
+                # NOTE [row gathers fuse as lookups]: the lookup stays, reading the rows.
+                n = U.numel(ids.meta.get("val"))
+                dims = list(lookup.meta["val"].shape[ids.meta["val"].dim():])
+                table = graph.call_function(aten.view.default, (rows, [-1 if n is None else n, *dims]))
+                positions = graph.call_function(U.magi.ce_row_positions.default, (ids,))
+            val, ids_val = lookup.meta["val"], ids.meta["val"]
+            rows.meta["val"] = val
+            table.meta["val"] = val.view(-1 if n is None else n, *dims)
+            positions.meta["val"] = ids_val.new_empty(ids_val.shape, dtype=torch.int64)
+            lookup.args = (table, positions, *lookup.args[2:])
         for s in rw.seeds:
             for sl in list(s.wait.users):  # an uneven table's row slices, now unread
                 if not sl.users:

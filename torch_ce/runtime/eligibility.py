@@ -47,7 +47,7 @@ class Reason(enum.IntEnum):
     # in full (passes/rows.py). Its gathers stay ordinary CE gathers.
     ROWS_OTHER_READ = 32
     ROWS_MAX_NORM = 33
-    ROWS_CAST = 35
+    ROWS_CAST = 35  # unused since a cast slot's rows are gathered (issue 47); kept: codes stay
     # A weight gather whose result nothing reads: dropped on every rank (gate.unread).
     UNREAD = 36
     # A weight gathered by a bucketed collective of several weights (bucketed before the
