@@ -326,7 +326,9 @@ def one_run(family, pdims, world, rank, seed, *, mode, pipeline, enable=False, e
                     collective_bytes=cov.total.collective_bytes, by_reason=dict(cov.total.by_reason),
                     graphs=len(e.graphs), names=names, table=e.table(), seconds=time.monotonic() - t0,
                     placements=placements, captured=captured, cpu_seconds=cpu, log=list(lines.lines),
-                    rs_left=rs_left, rs=e.reduce_scatter_coverage())
+                    rs_left=rs_left, rs=e.reduce_scatter_coverage(),
+                    per_call=(sum(g.ce_bytes for g in cov.per_graph),  # one call of each graph
+                              sum(g.collective_bytes for g in cov.per_graph)))
     finally:
         lines.__exit__(None, None, None)
         if enable:

@@ -69,3 +69,26 @@ def test_the_checks_can_fail():
     assert bound_weights(sample) == ["0.weight"]
     with pytest.raises(AssertionError):
         check(sample + "host transport\nrank 0: outputs match the gloo run\n", "outputs")
+
+
+def check_fsdp2(out: str, what: str) -> None:
+    """The FSDP2 examples: every param group on the copy engines, both ranks matched."""
+    assert "host transport" in out, out
+    assert re.search(r"^fsdp2 coverage: 100\.0% of ", out, re.M), out
+    assert not re.search(r"^\s+refused\s", out, re.M), out
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: {what} match the gloo run", out), out
+
+
+@pytest.mark.slow  # ~15 s each on 2 cores
+def test_fsdp2_inference_example(tmp_path):
+    out = run_example("fsdp2_inference.py", tmp_path)
+    check_fsdp2(out, "outputs")
+    assert "cast slot (bfloat16)" in out, out
+
+
+@pytest.mark.slow  # ~15 s each on 2 cores
+def test_fsdp2_training_example(tmp_path):
+    out = run_example("fsdp2_training.py", tmp_path)
+    check_fsdp2(out, "losses")
+    assert "staged (training)" in out, out

@@ -8,9 +8,11 @@ Public API:
   config                         the settings (see torch_ce/config.py; TORCH_CE_* env vars)
   explain()                      what the passes and binds did
   drop_prefetched()              forget gathers prefetched for the next call
+  reset_counts()                 start a new window of explain()'s run-time counts (a step)
   updating_weights(model)        the context every rank updates bound weights in (NOTE
                                  [updating bound weights] in runtime/updates.py);
                                  StaleWeightError / UpdateError: the net's and its errors
+  fsdp2.enable(model) / disable  FSDP2 (fully_shard) models' all-gathers (torch_ce/fsdp2/)
 """
 from __future__ import annotations
 
@@ -56,13 +58,32 @@ def enable(**overrides):
     # default one (torch_ce/integrations/torchtitan.py), whether graph_trainer is imported
     # already or later (integrations/import_hook.py).
     register_when_imported()
+    # SimpleFSDP's eager gathers (NOTE [eager gathers] in runtime/eager.py); also tried at
+    # each compile, for a SimpleFSDP imported after enable().
+    from .integrations import simple_fsdp
+    from .runtime import eager
+
+    simple_fsdp.install()
+    eager.active = True
     return cfg
 
 
 def disable():
+    from .integrations import simple_fsdp
     from .passes.install import disable as _disable
+    from .runtime import eager
 
+    eager.active = False
+    simple_fsdp.uninstall()
     return _disable()
+
+
+def reset_counts():
+    """Forget the run-time counts ``explain().coverage()`` reads (calls of compiled graphs,
+    gathers outside them), so the next read covers what ran since: one step, say."""
+    from .report import reset_counts as _reset
+
+    _reset()
 
 
 def explain(print_table: bool = False):
@@ -73,6 +94,15 @@ def explain(print_table: bool = False):
     return _explain(print_table=print_table)
 
 
+def __getattr__(name):
+    """``torch_ce.fsdp2``, imported at its first use."""
+    if name == "fsdp2":
+        import importlib
+
+        return importlib.import_module(".fsdp2", __name__)
+    raise AttributeError(f"module 'torch_ce' has no attribute {name!r}")
+
+
 __all__ = ["BindResult", "StaleWeightError", "UpdateError", "all_gather", "bind", "config", "disable",
-           "drop_prefetched", "enable", "explain", "reduce_scatter", "release_all",
+           "drop_prefetched", "enable", "explain", "reduce_scatter", "release_all", "reset_counts",
            "updating_weights"]

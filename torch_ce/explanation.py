@@ -82,7 +82,12 @@ class Coverage:
     size; a row gather the rows it looks up).
 
     ``seen`` tells "no weight gather seen yet" from a measured share: ``share`` is None
-    until a gather of some bytes was counted, never a percentage of zero bytes."""
+    until a gather of some bytes was counted, never a percentage of zero bytes.
+
+    ``calls``: a graph's calls counted at run time (None: not counted, the graph has no
+    bind or stage step, or nothing ran yet); the total's ``counted`` says whether it sums
+    calls (NOTE [calls, not graphs] in report.py) or, before anything ran, one call of
+    each graph as compiled."""
 
     ce_bytes: int = 0
     collective_bytes: int = 0
@@ -91,6 +96,10 @@ class Coverage:
     weights: int = 0  # weight rows counted (a weight once per graph that gathers it)
     # Why nothing was seen, when nothing was ("no graph compiled in this process").
     unseen_reason: str = ""
+    calls: int | None = None  # per graph: its calls at run time
+    counted: bool = False  # total: summed over the calls the run time counted
+    eager_ce_bytes: int = 0  # total: of ce_bytes, gathered outside compiled graphs
+    eager_collective_bytes: int = 0  # total: of collective_bytes, outside compiled graphs
 
     @property
     def seen(self) -> bool:
@@ -103,21 +112,29 @@ class Coverage:
         total = self.ce_bytes + self.collective_bytes
         return self.ce_bytes / total if total else None
 
-    def add(self, ce: int, by_reason: dict) -> None:
+    def add(self, ce: int, by_reason: dict, times: int = 1) -> None:
         self.weights += 1
-        self.ce_bytes += ce
+        self.ce_bytes += ce * times
         for why, nb in by_reason.items():
-            self.by_reason[why] = self.by_reason.get(why, 0) + nb
-            self.collective_bytes += nb
+            self.by_reason[why] = self.by_reason.get(why, 0) + nb * times
+            self.collective_bytes += nb * times
 
     def as_dict(self) -> dict:
         return dict(graph_id=self.graph_id, seen=self.seen, weights=self.weights,
                     ce_bytes=self.ce_bytes, collective_bytes=self.collective_bytes,
                     share=self.share, by_reason=dict(self.by_reason),
-                    unseen_reason=self.unseen_reason)
+                    unseen_reason=self.unseen_reason, calls=self.calls, counted=self.counted,
+                    eager_ce_bytes=self.eager_ce_bytes, eager_collective_bytes=self.eager_collective_bytes)
 
     def line(self) -> str:
         label = "total" if self.graph_id is None else f"graph {self.graph_id}"
+        if self.graph_id is None and self.counted:
+            when = (" at run time (every call of every graph, gathers outside compiled graphs "
+                    f"included: {self.eager_ce_bytes + self.eager_collective_bytes:,d} B)")
+        elif self.graph_id is not None and self.calls is not None:
+            when = f" per call ({self.calls} call(s) ran)"
+        else:
+            when = ""
         if not self.seen:
             return (f"coverage {label}: no weight gather seen yet"
                     + (f" ({self.unseen_reason})" if self.unseen_reason else ""))
@@ -127,15 +144,19 @@ class Coverage:
             return (f"coverage {label}: 0 gathered B in {self.weights} weight gather(s) "
                     f"(their shards hold no bytes){why}")
         return (f"coverage {label}: {100 * self.share:.1f}% of {self.ce_bytes + self.collective_bytes:,d} "
-                f"gathered B on the copy engines ({self.ce_bytes:,d} B){why}")
+                f"gathered B on the copy engines ({self.ce_bytes:,d} B){when}{why}")
 
 
 @dataclasses.dataclass
 class CoverageReport:
-    """``explain().coverage()``: ``per_graph`` in the order of ``explain().graphs``."""
+    """``explain().coverage()``: ``per_graph`` in the order of ``explain().graphs`` (bytes
+    per call); ``total`` summed over the calls that ran (``total.counted``; NOTE [calls,
+    not graphs] in report.py), gathers outside compiled graphs included; ``eager`` lists
+    those, one dict per (weight, path, reason, where) with its gathers and bytes."""
 
     total: Coverage
     per_graph: list
+    eager: list = dataclasses.field(default_factory=list)
 
     @property
     def seen(self) -> bool:
@@ -144,7 +165,23 @@ class CoverageReport:
         return self.total.seen
 
     def as_dict(self) -> dict:
-        return dict(total=self.total.as_dict(), per_graph=[c.as_dict() for c in self.per_graph])
+        return dict(total=self.total.as_dict(), per_graph=[c.as_dict() for c in self.per_graph],
+                    eager=[dict(e) for e in self.eager])
+
+    def eager_lines(self, names: int = 4) -> list[str]:
+        """The gathers outside compiled graphs, one line per (path, reason, where)."""
+        groups: dict = {}
+        for e in self.eager:
+            g = groups.setdefault((e["path"], e["reason"], e["where"]), [0, 0, []])
+            g[0] += e["gathers"]
+            g[1] += e["bytes"]
+            g[2].append(e["weight"])
+        out = []
+        for (path, reason, at), (n, nb, ws) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+            on = "on the copy engines" if path == "ce" else f"on the collective: {reason}"
+            shown = ", ".join(ws[:names]) + (f", ... ({len(ws)} weights)" if len(ws) > names else "")
+            out.append(f"eager    {at}: {n} gather(s), {nb:,d} B {on} [{shown}]")
+        return out
 
 
 @dataclasses.dataclass
@@ -156,18 +193,39 @@ class Explanation:
     weights: list[WeightRow]
     kernel_paths: dict  # device type -> gather kernel path in use (when the runtime says)
     torch: str = ""  # the torch it runs on (torch.__version__: "2.13.0+cpu", "2.11.0+cu130")
+    # One row per FSDP2 param group of every enabled model (torch_ce/fsdp2/report.py).
+    fsdp2: list = dataclasses.field(default_factory=list)
 
     def coverage(self) -> CoverageReport:
         """The share of gathered bytes on the copy engines, per graph and in total, and
         what stayed on the collective by reason (from the weight rows: the run-time verdict,
         a bind's fallback included)."""
         per = {g.graph_id: Coverage(graph_id=g.graph_id) for g in self.graphs}
-        total = Coverage()
+        calls, eager = dict(report.calls), dict(report.eager)
+        counted = bool(calls or eager)
+        # NOTE [calls, not graphs] in report.py: a key's calls go to its latest record.
+        latest = {g.step_key: g.graph_id for g in self.graphs if g.step_key is not None}
+        ncalls = {gid: calls.get(key, 0) for key, gid in latest.items()}
+        for g in self.graphs:
+            if counted and g.step_key is not None:
+                per[g.graph_id].calls = ncalls.get(g.graph_id, 0)
+        total = Coverage(counted=counted)
         for w in self.weights:
             c = per.get(w.graph_id)
             if c is not None:
                 c.add(w.ce_bytes, w.by_reason)
-            total.add(w.ce_bytes, w.by_reason)
+            # counted: times its graph ran (a graph without a step: once, as compiled)
+            times = 1 if c is None or c.calls is None else c.calls
+            total.add(w.ce_bytes, w.by_reason, times)
+        rows = []
+        for (name, path, reason, at), (n, nb) in sorted(eager.items()):
+            rows.append(dict(weight=name, path=path, reason=reason, where=at, gathers=n, bytes=nb))
+            if path == "ce":
+                total.add(nb, {})
+                total.eager_ce_bytes += nb
+            else:
+                total.add(0, {f"{reason} (outside compiled graphs: {at})": nb})
+                total.eager_collective_bytes += nb
         if not total.seen:
             total.unseen_reason = (
                 "no graph compiled in this process" if not self.graphs else
@@ -175,7 +233,7 @@ class Explanation:
         for c in per.values():
             if not c.seen:
                 c.unseen_reason = "this graph gathers no weight"
-        return CoverageReport(total, [per[g.graph_id] for g in self.graphs])
+        return CoverageReport(total, [per[g.graph_id] for g in self.graphs], rows)
 
     def reduce_scatter_coverage(self) -> dict:
         """Gradient reduce-scatter bytes per call (inputs) on the copy engines and on the
@@ -207,6 +265,7 @@ class Explanation:
             weights=[dataclasses.asdict(w) for w in self.weights],
             kernel_paths=dict(self.kernel_paths),
             torch=self.torch,
+            fsdp2=[dataclasses.asdict(r) for r in self.fsdp2],
         )
 
     def table(self) -> str:
@@ -266,6 +325,7 @@ class Explanation:
         cov = self.coverage()
         for c in cov.per_graph:
             out.append(c.line())
+        out.extend(cov.eager_lines())
         out.append(cov.total.line())
         rsc = self.reduce_scatter_coverage()
         if rsc["share"] is not None:
@@ -288,6 +348,7 @@ class Explanation:
                           "held beside the weights)" if getattr(b, "cast_slot_bytes", 0) else ""))
             for name, why in list(b.skipped.items())[:8]:
                 out.append(f"  skipped  {name}: {why}")
+        out.extend(_fsdp2_lines(self.fsdp2))
         for w in self.windows:
             out.append(f"window {w.dtype}/{w.device} group {list(w.group_ranks)} #{w.index}: "
                        f"{w.slots} slot(s), {w.used:,d} / {w.nbytes:,d} B ({100 * w.fill:.0f}% full)")
@@ -340,6 +401,22 @@ def _weights(graphs, binds) -> list[WeightRow]:
     return rows
 
 
+def _fsdp2_rows() -> list:
+    """FSDP2 groups' rows, when torch_ce.fsdp2 was used in this process."""
+    import sys
+
+    mod = sys.modules.get("torch_ce.fsdp2")
+    return mod.rows() if mod is not None else []
+
+
+def _fsdp2_lines(rows) -> list:
+    if not rows:
+        return []
+    from .fsdp2 import lines
+
+    return lines(rows)
+
+
 def _kernel_paths(device_types) -> dict:
     from .runtime.gather import kernel_path
 
@@ -366,7 +443,7 @@ def explain(print_table: bool = False) -> Explanation:
     if not devices:  # nothing bound yet: the kernels a bind would use here
         devices = {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
     e = Explanation(dataclasses.asdict(config), graphs, binds, wins, _weights(graphs, binds),
-                    _kernel_paths(devices), torch.__version__)
+                    _kernel_paths(devices), torch.__version__, _fsdp2_rows())
     if print_table:
         print(e.table())
     return e

@@ -87,6 +87,9 @@ class GraphRecord:
     # One dict per gradient reduce-scatter: name, bytes (input, per call), kind ("ce" or
     # "collective"), reason, group (passes/reduce_scatter.py).
     reduce_scatters: list = dataclasses.field(default_factory=list)
+    # The key its bind or stage step counts its calls under at run time (``step_key``;
+    # NOTE [calls, not graphs]); None: the graph has no step (its calls are not counted).
+    step_key: tuple | None = None
 
     @property
     def refusal_counts(self) -> dict:
@@ -101,6 +104,63 @@ binds: list = []  # BindResult per run-time bind
 # One group can be a dim of several meshes (a dim spanning the world is the world group):
 # then every such dim is listed, joined by " / ".
 mesh_dims: dict = {}
+
+
+# NOTE [calls, not graphs]
+# A graph's record says what one call of it gathers; the run time says how often each ran.
+# Every compiled graph torch_ce rewrites starts with one bind step (``magi::ce_bind``) or
+# stage step (``magi::ce_stage``) that runs at each of its calls: the step counts the call
+# under ``step_key`` (its kind, weight names, shard elements and flags: what the graph
+# carries, so the record knows its key at compile time), one dict increment, no sync. A
+# gather outside any compiled graph (SimpleFSDP's parametrization run eagerly: a graph
+# break, a checkpointed region re-run in backward, an eager evaluation) is counted by the
+# eager path itself (runtime/eager.py), per weight, path and reason. ``explain()``
+# multiplies each record's bytes per call by its calls and adds the eager bytes; a graph
+# with no step (transport="nccl", or only bucketed gathers) counts once. Several records
+# of one key (a recompile of the same weights; the same names and sizes, so the same
+# bytes per call) share its calls: the latest takes them.
+# ``reset_counts()`` starts a new window (a step), so a user reads one step's share.
+calls: collections.Counter = collections.Counter()
+# (weight name, "ce" | "collective", reason, where) -> [gathers, bytes]: gathers outside
+# compiled graphs. ``where``: "backward" (re-run in backward: activation checkpointing),
+# "graph break" (an eager stretch of a frame Dynamo compiles), "eager" (Dynamo off:
+# outside torch.compile, or a region it skips, such as torch.utils.checkpoint).
+eager: dict = {}
+# Modules compiled graphs were traced from (weak), so an eager gather names its weight
+# as ``named_parameters()`` does (NOTE [parameter names] in passes/param_names.py).
+import weakref as _weakref  # noqa: E402
+
+roots: "_weakref.WeakSet" = _weakref.WeakSet()
+
+
+def step_key(kind: str, names, numel, *flags) -> tuple:
+    """The run-time key of a graph's bind (``kind="bind"``) or stage step (``"stage"``,
+    flags: dtypes, refresh, static), as the compile side and the run time both form it.
+    ``numel``: the shards' elements in all (names are relative to the compiled frame's
+    module, so two graphs of resumed frames may both list one ``weight``)."""
+    return (kind, tuple(names), numel) + tuple(flags)
+
+
+def count_call(key: tuple) -> None:
+    calls[key] += 1
+
+
+def count_eager(name: str, path: str, reason: str, where: str, nbytes: int) -> None:
+    k = (name, path, reason, where)
+    c = eager.get(k)
+    if c is None:
+        eager[k] = [1, nbytes]
+    else:
+        c[0] += 1
+        c[1] += nbytes
+
+
+def reset_counts() -> None:
+    """Forget the run-time counts (calls of compiled graphs, eager gathers): what
+    ``explain().coverage()`` counts from now on is the next window (a step, say)."""
+    with _lock:
+        calls.clear()
+        eager.clear()
 
 
 def note_mesh_dim(group_name: str, mesh, dim: int) -> None:
@@ -129,3 +189,5 @@ def clear() -> None:
     with _lock:
         graphs.clear()
         binds.clear()
+        calls.clear()
+        eager.clear()

@@ -55,6 +55,12 @@ def gathered(w, dtype: torch.dtype | None = None):
     as it is."""
     if not isinstance(w, DTensor):
         return w
+    from .runtime import eager
+
+    if not eager.tracing(w):  # NOTE [eager gathers] in torch_ce/runtime/eager.py
+        out = eager.gather_param(w, dtype)
+        if out is not None:
+            return out
     if dtype is None:
         return w.redistribute(placements=[Replicate()]).to_local()
     return w.redistribute(placements=[Replicate()], forward_dtype=dtype).to_local()

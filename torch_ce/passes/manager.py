@@ -105,6 +105,7 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None, *,
     p = plan_mod.plan(live, whole_graph_refused=refused_whole is not None)
     # A training forward refreshes its staging slots; its backward only reads them.
     bind_node = rewrite_mod.rewrite(graph, p, refresh=not gate_mod.is_backward_graph(graph))
+    rec.step_key = step_key_of(bind_node)  # NOTE [calls, not graphs] in report.py
     # NOTE [row gathers] in rows.py: the row-gathered weights' gathers leave the graph.
     # Not in training graphs yet: a row gather would have to read the staging slot.
     row_weights = rows_mod.find(live) if config.row_gathers and not p.staged else []
@@ -169,6 +170,26 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None, *,
     )
     _log_scatters(rec)
     return rec
+
+
+def step_key_of(step: fx.Node | None) -> tuple | None:
+    """The key the run time counts the calls of a graph under (NOTE [calls, not graphs] in
+    report.py): from its bind step's or stage step's constant arguments."""
+    if step is None:
+        return None
+    numel = 0
+    for n in step.args[0]:
+        val = n.meta.get("val") if isinstance(n, fx.Node) else None
+        k = U.numel(val) if val is not None else None
+        if k is None:  # a dynamic shard size: its calls are not matched
+            return None
+        numel += int(k)
+    if step.target is U.magi.ce_bind.default:
+        return report.step_key("bind", step.args[3], numel)
+    a = list(step.args)
+    refresh = a[6] if len(a) > 6 else step.kwargs.get("refresh", False)
+    static = a[8] if len(a) > 8 else step.kwargs.get("static", False)
+    return report.step_key("stage", a[4], numel, tuple(a[1]), bool(refresh), bool(static))
 
 
 def _recompile(graph: fx.Graph) -> None:
@@ -243,6 +264,9 @@ class TorchCEPass(_PassBase):
         if _decided_before_inductor.get():
             return  # decided (and recorded) on the FX graph already: decided_before_inductor
         note_mesh_dims()
+        from ..integrations import simple_fsdp  # a SimpleFSDP imported after enable()
+
+        simple_fsdp.install()
         run_passes(graph, is_inference)
         for fn in list(_observers):
             fn(graph)

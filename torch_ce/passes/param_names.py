@@ -34,7 +34,7 @@ import torch.fx as fx
 _META_KEY = "torch_ce_param"
 _TOKEN = re.compile(r"\.(\w+)|\[\s*'([^']*)'\s*\]|\[\s*\"([^\"]*)\"\s*\]|\[\s*(-?\d+)\s*\]")
 _ROOT = re.compile(r"^([LG])\[\s*'([^']*)'\s*\]")
-_CONTAINERS = {"_modules", "_parameters", "_buffers"}
+_CONTAINERS = {"_modules", "_parameters", "_buffers", "__dict__"}  # __dict__: a module read through it
 # Without the frame's values: ``self`` (a forward's module) and ``fn`` (the closure of the
 # frame torch.compile wraps around a torch.nn.* module, ``external_utils.wrap_inline``).
 # A root is the path of parts to a module from a frame variable: ``("self",)``, or
@@ -94,6 +94,31 @@ def roots_of(frame_locals: dict) -> frozenset:
     return frozenset(roots)
 
 
+def _note_root_modules(frame_locals: dict, roots) -> None:
+    """Keep (weakly) the modules a compiled frame holds, and the outermost module a frame
+    of the Python stack holds as ``self`` (the frame being compiled may be a submodule's,
+    resumed after a graph break), so a gather outside compiled graphs names its weight as
+    ``named_parameters()`` of the outermost does (report.roots; runtime/eager.py)."""
+    import sys
+
+    from .. import report
+
+    for r in roots:
+        v = frame_locals.get(r[0])
+        if len(r) > 1:
+            v = v[int(r[1])] if isinstance(v, (tuple, list)) else v.get(r[1])
+        if isinstance(v, torch.nn.Module):
+            report.roots.add(v)
+    outer, f = None, sys._getframe()
+    while f is not None:
+        v = f.f_locals.get("self") if f.f_code.co_varnames[:1] == ("self",) else None
+        if isinstance(v, torch.nn.Module):
+            outer = getattr(v, "_orig_mod", v)  # torch.compile's OptimizedModule: the model
+        f = f.f_back
+    if outer is not None:
+        report.roots.add(outer)
+
+
 def _flat_input_index(desc) -> int | None:
     """The Dynamo input a placeholder unpacks (through subclass attributes), if plain."""
     while desc is not None and hasattr(desc, "base"):
@@ -122,7 +147,9 @@ def _dynamo_sources() -> tuple[list[str], frozenset] | None:
         frame_locals = getattr(getattr(tx.output, "root_tx", tx), "f_locals", None)
         if not isinstance(frame_locals, dict):
             return out, _MODULE_ROOTS
-        return out, roots_of(frame_locals)
+        roots = roots_of(frame_locals)
+        _note_root_modules(frame_locals, roots)
+        return out, roots
     except Exception:  # noqa: BLE001 (names are for people; never fail a compile on them)
         return None
 

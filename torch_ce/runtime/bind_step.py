@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from .. import report
 from . import windows as W
 
 log = logging.getLogger("torch_ce")
@@ -30,6 +31,7 @@ W.on_release(_done.clear)
 def run_bind_step(shards, group_sizes, group_names, names, reasons=None, rows=()) -> None:
     if not shards:
         return
+    report.count_call(report.step_key("bind", names, sum(s.numel() for s in shards)))  # NOTE [calls, not graphs] in report.py
     rows = list(rows) or [0] * len(shards)
     key = (tuple(names), shards[0].data_ptr())
     if key in _done:
@@ -61,8 +63,6 @@ def run_bind_step(shards, group_sizes, group_names, names, reasons=None, rows=()
             reason = refusal(Reason.GROUP_SIZE_MISMATCH, f"group size {pg.size()} != gather group size {gs}")
         cands.append(Candidate(name, t, pg, reason, rows=nrows))
     res = bind_candidates(cands)
-    from .. import report
-
     report.record_bind(res)
     _remember((tuple(names), shards[0].data_ptr()), shards[0])
 

@@ -68,7 +68,7 @@ from .rs_workspace import DATA, FREE, RETRACT, ReduceScatterError
 
 log = logging.getLogger("torch_ce")
 
-REDUCE_OPS = ("sum", "avg")
+REDUCE_OPS = ("sum", "avg", "premul_sum(<factor>)")
 DTYPES = (torch.float32, torch.bfloat16)
 _FUNCTIONAL = torch.ops._c10d_functional
 
@@ -104,8 +104,19 @@ def _group(group_name: str, group_size: int, name: str) -> tuple[tuple, int]:
     return ranks, ranks.index(dist.get_rank())
 
 
+def premul_factor(reduce_op: str) -> float | None:
+    """The factor of ``"premul_sum(<factor>)"`` (FSDP2's ``ReduceOp.PREMUL_SUM``: every
+    rank's input times the factor, then summed), None for another op."""
+    if reduce_op.startswith("premul_sum(") and reduce_op.endswith(")"):
+        try:
+            return float(reduce_op[len("premul_sum("):-1])
+        except ValueError:
+            return None
+    return None
+
+
 def _check(inputs: Sequence[torch.Tensor], reduce_op: str, group_size: int, name: str) -> None:
-    if reduce_op not in REDUCE_OPS:
+    if reduce_op not in REDUCE_OPS and premul_factor(reduce_op) is None:
         raise ReduceScatterError(f"torch_ce: magi::ce_reduce_scatter of {name}: reduce_op must be "
                                  f"one of {REDUCE_OPS}, got {reduce_op!r}")
     if not inputs:
@@ -123,7 +134,10 @@ def _check(inputs: Sequence[torch.Tensor], reduce_op: str, group_size: int, name
 
 def _collective(inputs, reduce_op, group_size, group_name) -> list[torch.Tensor]:
     outs = []
+    factor = premul_factor(reduce_op)
     for x in inputs:
+        if factor is not None:  # the functional collective has no premul: scale, then sum
+            x, reduce_op = x * factor, "sum"
         out = _FUNCTIONAL.reduce_scatter_tensor(x.contiguous(), reduce_op, group_size, group_name)
         if x.device.type == "cpu":
             out = _FUNCTIONAL.wait_tensor(out)  # NOTE [gloo: one functional collective in flight]
@@ -242,9 +256,9 @@ _STREAMS = RW.STREAMS
 
 
 def launch(ws: RW.Workspace, inputs: Sequence[torch.Tensor], reduce_op: str, name: str,
-           sig: tuple | None = None) -> Call:
-    """Step 1 (module NOTE), and the outputs allocated; a half still owed a completion
-    by this rank is completed first. A pool whose last call failed raises (its error) and
+           sig: tuple | None = None, outs: Sequence[torch.Tensor] | None = None) -> Call:
+    """Step 1 (module NOTE), and the outputs allocated (or ``outs``, contiguous, one per
+    input: FSDP2's own); a half still owed a completion by this rank is completed first. A pool whose last call failed raises (its error) and
     is dropped: the next call opens a new generation."""
     if ws.failed:
         RW.drop(ws)
@@ -259,8 +273,9 @@ def launch(ws: RW.Workspace, inputs: Sequence[torch.Tensor], reduce_op: str, nam
     numel, sig_text = sig or RW.signature(inputs, reduce_op, w)
     flat = [x.contiguous().view(-1) for x in inputs]
     ns = [f.numel() // w for f in flat]
-    outs = [torch.empty((x.shape[0] // w, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in inputs]
-    call = Call(ws, h, list(inputs), flat, ns, outs, reduce_op,
+    if outs is None:
+        outs = [torch.empty((x.shape[0] // w, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in inputs]
+    call = Call(ws, h, list(inputs), flat, ns, list(outs), reduce_op,
                 f"reduce-scatter {name} (call {ws.calls} of generation {ws.gen} of group {list(ws.key[0])})",
                 name, sum(f.numel() for f in flat) * inputs[0].element_size(),
                 seq=ws.calls, numel=numel, tag=RW.call_tag(ws.calls, sig_text))
@@ -328,7 +343,16 @@ def complete(call: Call) -> None:
 
 
 def _reduce(srcs: list, out: torch.Tensor, reduce_op: str, w: int) -> None:
-    """``out`` = the sum of ``srcs`` in their order (group index order), in fp32."""
+    """``out`` = the sum of ``srcs`` in their order (group index order), in fp32;
+    ``premul_sum(f)``: of each source times f, rounded to fp32 before the sum (as the
+    collective's premultiplied sum, so two sources are bit-identical to it)."""
+    factor = premul_factor(reduce_op)
+    if factor is not None:
+        acc = srcs[0].to(torch.float32) * factor
+        for s in srcs[1:]:
+            acc.add_(s.to(torch.float32) * factor)
+        out.copy_(acc)
+        return
     if out.dtype == torch.float32:
         torch.add(srcs[0], srcs[1], out=out)
         for s in srcs[2:]:
@@ -613,44 +637,68 @@ atexit.register(_stop_watchdog)
 # ---------------------------------------------------------------------------------------
 
 def reduce_scatter(inputs: Sequence[torch.Tensor], reduce_op: str, group_size: int,
-                   group_name: str, name: str = "") -> list[torch.Tensor]:
+                   group_name: str, name: str = "",
+                   outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """A bucket's reduce-scatter (NOTE [copy-engine reduce-scatter]): one output per input,
-    ``[rows / group_size, ...]``, this rank's chunk summed over the group."""
+    ``[rows / group_size, ...]``, this rank's chunk summed over the group.
+
+    With ``outs`` (contiguous, one per input, FSDP2's reduce-scatter hook), the results go
+    there and the call is complete in stream order when this returns: on CUDA its
+    completion is enqueued now and the current stream waits for it, so no ``wait_tensor``
+    is needed (the caller's stream orders what reads them)."""
     name = name or f"a bucket of {len(inputs)} input(s)"
     _check(inputs, reduce_op, group_size, name)
+    if outs is not None and (len(outs) != len(inputs) or any(
+            not o.is_contiguous() or o.dtype != x.dtype or o.numel() * group_size != x.numel()
+            for o, x in zip(outs, inputs))):
+        raise ReduceScatterError(f"torch_ce: reduce-scatter of {name}: outs must be contiguous, one "
+                                 f"per input, of its dtype and 1/{group_size} of its elements")
     if group_size == 1:
-        return [x.clone() for x in inputs]
+        factor = premul_factor(reduce_op)
+        res = [x * factor if factor is not None else x.clone() for x in inputs]
+        return _into(outs, res)
     ranks, i = _group(group_name, group_size, name)
     dev = inputs[0].device
     need = sum(x.numel() for x in inputs) // group_size
     nbytes = sum(x.numel() for x in inputs) * inputs[0].element_size()
+    why = ""
     if dev.type == "cuda" and not _has_flags():  # the same build on every rank: the same verdict
-        _note(name, nbytes, False, "the C++ library (csrc/ce_ops.cu) with the stream flag ops is not "
-                                   "built or not loaded")
-        return _collective(inputs, reduce_op, group_size, group_name)
-    if dev.type == "cuda":
+        why = "the C++ library (csrc/ce_ops.cu) with the stream flag ops is not built or not loaded"
+    elif dev.type == "cuda":
         why = RW.one_queue_refusal()
-        if why:
-            _note(name, nbytes, False, why)
-            return _collective(inputs, reduce_op, group_size, group_name)
-    if dev.type == "cpu":
+    elif dev.type == "cpu":
         why = RW.host_order_refusal()  # the same host kind on every rank of a host job
-        if why:
-            _note(name, nbytes, False, why)
-            return _collective(inputs, reduce_op, group_size, group_name)
-    sig = RW.signature(inputs, reduce_op, group_size)
-    ws = RW.get(ranks, i, inputs[0].dtype, dev, need, name, sig[1])
-    if ws is None:
-        cap = RW.workspace_bytes(group_size, need, inputs[0].dtype)
-        _note(name, nbytes, False, f"its workspace ({cap:,d} B) passes rs_workspace_cap_mib")
-        return _collective(inputs, reduce_op, group_size, group_name)
-    call = launch(ws, inputs, reduce_op, name, sig)
+    ws = None
+    if not why:
+        sig = RW.signature(inputs, reduce_op, group_size)
+        ws = RW.get(ranks, i, inputs[0].dtype, dev, need, name, sig[1])
+        if ws is None:
+            cap = RW.workspace_bytes(group_size, need, inputs[0].dtype)
+            why = f"its workspace ({cap:,d} B) passes rs_workspace_cap_mib"
+    if why:
+        _note(name, nbytes, False, why)
+        res = _collective(inputs, reduce_op, group_size, group_name)
+        if outs is not None:
+            res = [_FUNCTIONAL.wait_tensor(r) for r in res]
+        return _into(outs, res)
+    call = launch(ws, inputs, reduce_op, name, sig, outs)
     if dev.type == "cpu":
         complete(call)
+    elif outs is not None:
+        complete(call)
+        torch.cuda.current_stream().wait_event(call.done)
     else:
         _register(call)
     _note(name, nbytes, True)
     return call.outs
+
+
+def _into(outs, res: list) -> list:
+    if outs is None:
+        return res
+    for o, r in zip(outs, res):
+        o.copy_(r.view(o.shape))
+    return list(outs)
 
 
 def _has_flags() -> bool:

@@ -173,7 +173,12 @@ def run_stage_step(params, dtypes, group_sizes, group_names, names, reasons, ref
     """Bind the staging slots (first run), and when ``refresh`` (a training forward) fence,
     copy every weight (cast) into its slot, fence. ``static``: cast slots (NOTE [cast
     slots]), bound once, never refreshed."""
+    from .. import report
     from .binding import resolved
+
+    # NOTE [calls, not graphs] in report.py
+    report.count_call(report.step_key("stage", names, sum(p.numel() for p in params), tuple(dtypes),
+                                      bool(refresh), bool(static)))
     dts = [getattr(torch, d) for d in dtypes]
     if static:
         if any(resolved(p, d, static=True) is None for p, d in zip(params, dts)):

@@ -50,6 +50,21 @@ from .agreement import Round
 log = logging.getLogger("torch_ce")
 
 
+# fn(wanted) after the exit exchange, before the watches take the new versions and fence
+# 2: what holds copies of weights outside the slots refreshes them (fsdp2/updates.py: an
+# FSDP2 group's cast chunk, its unsharded parameters). ``wanted``: _locals(params).
+_exit_hooks: list = []
+
+
+def on_exit(fn) -> None:
+    _exit_hooks.append(fn)
+
+
+def _run_exit_hooks(wanted) -> None:
+    for fn in list(_exit_hooks):
+        fn(wanted)
+
+
 class UpdateError(RuntimeError):
     """``updating_weights`` did not complete on every rank of a group (a peer never entered
     it, or its block raised); raised on every rank that entered."""
@@ -60,13 +75,17 @@ def _locals(params) -> dict[int, list[torch.Tensor]] | None:
     bound weight of this process."""
     if params is None:
         return None
+    modules = []
     if isinstance(params, torch.nn.Module):
+        modules = list(params.modules())
         params = list(params.parameters())
     elif isinstance(params, torch.Tensor):
         params = [params]
     elif isinstance(params, dict):
         params = list(params.values())
     out: dict[int, list[torch.Tensor]] = {}
+    for m in modules:  # a slot may be named by the module that holds its weights (Watch.members)
+        out.setdefault(id(m), [])
     for p in params:
         local = getattr(p, "_local_tensor", None)
         if local is not None:
@@ -88,7 +107,7 @@ def _targets(params):
         w = slot.watch
         if w is None or id(slot) in seen:
             continue
-        if mine(w.weight()):
+        if mine(w.weight()) or any(mine(m()) for m in w.members):
             seen.add(id(slot))
             watched.append(slot)
     refresh = []
@@ -111,7 +130,7 @@ def _targets(params):
 
 
 @contextlib.contextmanager
-def updating_weights(params=None, *, timeout_s: float | None = None):
+def _protocol(params=None, *, timeout_s: float | None = None):
     """Update bound weights safely on every rank (NOTE [updating bound weights]).
 
     ``params``: a module, parameters (or a dict of them), or None for every weight bound
@@ -127,6 +146,8 @@ def updating_weights(params=None, *, timeout_s: float | None = None):
     if not groups:
         log.debug("torch_ce.updating_weights: no bound weight among these: nothing to fence")
         yield
+        with torch.no_grad():
+            _run_exit_hooks(wanted)
         return
     t = float(config.bind_arrival_timeout_s if timeout_s is None else timeout_s)
     me = dist.get_rank()
@@ -177,6 +198,7 @@ def updating_weights(params=None, *, timeout_s: float | None = None):
         W.follow_moved_weights()
         if refresh:
             torch._foreach_copy_([v for v, _ in refresh], [w for _, w in refresh])  # casts too
+        _run_exit_hooks(wanted)
         for slot in watched:
             weight = slot.watch.weight()
             extra = wanted.get(id(weight), ()) if wanted is not None and weight is not None else ()
@@ -184,6 +206,29 @@ def updating_weights(params=None, *, timeout_s: float | None = None):
         staging.fence(fence_groups)  # fence 2: every rank's new values are in place
     prefetch.drop(on_current_stream=True)
 
+
+
+_open = [0]  # updating_weights blocks open on this rank
+
+
+def is_open() -> bool:
+    """Whether this rank is inside ``updating_weights`` (an eager gather there, such as
+    the one ``get_model_state_dict`` makes by reading a SimpleFSDP weight's attribute,
+    keeps the collective: the windows are being written)."""
+    return _open[0] > 0
+
+
+@contextlib.contextmanager
+def updating_weights(params=None, *, timeout_s: float | None = None):
+    _open[0] += 1
+    try:
+        with _protocol(params, timeout_s=timeout_s):
+            yield
+    finally:
+        _open[0] -= 1
+
+
+updating_weights.__doc__ = _protocol.__doc__
 
 # NOTE [a weight re-pointed inside the protocol]
 # ``p._local_tensor.data = new`` (or ``p.to_local().data = new``) inside the block gives

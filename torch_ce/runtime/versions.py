@@ -38,11 +38,15 @@ class Watch:
     consistent across ranks. ``weight`` is the weight itself (also an inference tensor,
     which has no counter: the protocol still finds it, NOTE [what the net sees])."""
 
-    __slots__ = ("name", "weight", "refs", "versions", "poison")
+    __slots__ = ("name", "weight", "refs", "versions", "poison", "members")
 
     def __init__(self, name: str, tensors):
         self.name = name
         self.weight = weakref.ref(tensors[0])
+        # Weak references to what else names this weight to ``updating_weights(params)``
+        # (a slot holding several weights: an FSDP2 group's chunk, its parameters' local
+        # shards and modules; fsdp2/chunks.py).
+        self.members: list = []
         self.refs: list = []
         self.versions: list[int] = []
         self.poison = ""
@@ -219,6 +223,21 @@ def _note(weight: torch.Tensor, slot) -> None:
     if hit is None or hit[0]() is not weight:
         hit = _watched_by_weight[id(weight)] = (weakref.ref(weight), [])
     hit[1][:] = [r for r in hit[1] if r() is not None and r() is not slot] + [weakref.ref(slot)]
+
+
+def watch_members(slot, owners=(), members=(), tensors=()) -> None:
+    """A slot holding several weights (an FSDP2 group's chunk): its watch also covers
+    ``tensors``; state dicts of ``owners`` (their wrappers) are followed like a bound
+    weight's (NOTE [what the net sees]); ``members`` (tensors or modules) name the slot to
+    ``updating_weights(params)``."""
+    if slot.watch is None:
+        return
+    if tensors:
+        slot.watch.add(list(tensors))
+    for o in owners:
+        _note(o, slot)
+    slot.watch.members = [weakref.ref(m) for m in members]
+    _mirror(slot)
 
 
 def slots_of(weight: torch.Tensor) -> list:

@@ -1,0 +1,125 @@
+"""Models the FSDP2 tests shard with ``fully_shard``: torchtitan's Llama3 and Qwen3 (the zoo's
+layer builders, CPU-sized: test/zoo_models.py) under torchtitan's own
+``apply_fsdp_to_decoder``, and a small DiT (self-attention, cross-attention to a text
+context, an MLP, each with adaLN modulation from a timestep embedding), one FSDP unit per
+block plus the root."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zoo_models
+
+
+class DiTBlock(nn.Module):
+    """A DiT block: adaLN-zero modulation (6 x dim from the conditioning) of a self-attn,
+    a cross-attn to the context and a GELU MLP."""
+
+    def __init__(self, dim: int, heads: int, ctx_dim: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(ctx_dim, 2 * dim)
+        self.cross_proj = nn.Linear(dim, dim)
+        self.mlp_in = nn.Linear(dim, 4 * dim)
+        self.mlp_out = nn.Linear(4 * dim, dim)
+        self.ada = nn.Linear(dim, 9 * dim)  # shift, scale, gate per sub-layer
+
+    def _attn(self, q, k, v):
+        b, n, d = q.shape
+        split = lambda t: t.view(b, -1, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        return F.scaled_dot_product_attention(split(q), split(k), split(v)).transpose(1, 2).reshape(b, n, d)
+
+    def forward(self, x, ctx, cond):
+        mods = self.ada(F.silu(cond)).unsqueeze(1).chunk(9, dim=-1)
+        norm = lambda t, i: F.layer_norm(t, t.shape[-1:]) * (1 + mods[i + 1]) + mods[i]  # noqa: E731
+        h = norm(x, 0)
+        x = x + mods[2] * self.proj(self._attn(*self.qkv(h).chunk(3, dim=-1)))
+        h = norm(x, 3)
+        x = x + mods[5] * self.cross_proj(self._attn(self.q(h), *self.kv(ctx).chunk(2, dim=-1)))
+        h = norm(x, 6)
+        return x + mods[8] * self.mlp_out(F.gelu(self.mlp_in(h)))
+
+
+class DiT(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4, ctx_dim: int = 24, blocks: int = 2, patch: int = 12):
+        super().__init__()
+        self.embed = nn.Linear(patch, dim)
+        self.t_embed = nn.Sequential(nn.Linear(1, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.blocks = nn.ModuleList(DiTBlock(dim, heads, ctx_dim) for _ in range(blocks))
+        self.out = nn.Linear(dim, patch)
+
+    def forward(self, x, ctx, t):
+        cond = self.t_embed(t)
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h, ctx, cond)
+        return self.out(h)
+
+
+def dit_inputs(seed: int, batch: int = 2, tokens: int = 6, ctx: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, tokens, 12, generator=g), torch.randn(batch, ctx, 24, generator=g),
+            torch.rand(batch, 1, generator=g))
+
+
+def shard_dit(model: DiT, mesh, param_dtype=None, **kw) -> DiT:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, mp_policy=mp, **kw)
+    fully_shard(model, mesh=mesh, mp_policy=mp, **kw)
+    return model
+
+
+def build(family: str, mesh, seed: int, *, param_dtype=None, train: bool, compile_blocks: bool = False):
+    """``family`` ("llama3", "qwen3", "dit") from ``seed`` (the same weights on every rank),
+    ``fully_shard``ed as torchtitan's trainer does (blocks compiled first when asked), in
+    train mode with grads or in eval mode without."""
+    torch.manual_seed(seed)
+    if family == "dit":
+        net = DiT()
+        blocks = list(net.blocks)
+    else:
+        zoo_models._stub_training_imports()
+        cfg = zoo_models.model_config(family, zoo_models.Dims(layers=2))
+        with torch.device("cpu"):
+            net = cfg.build()
+            net.init_states(buffer_device=torch.device("cpu"))
+        blocks = list(net.layers.values())
+    if compile_blocks:
+        for b in blocks:
+            b.compile()
+    net.train(train)
+    if not train:
+        net.requires_grad_(False)
+    if family == "dit":
+        return shard_dit(net, mesh, param_dtype)
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    # Blocks, embeddings, norm + head, and the root, as torchtitan's trainer shards them.
+    apply_fsdp_to_decoder(net, mesh, param_dtype or torch.float32, torch.float32, pp_enabled=False)
+    # Its gradient divide factor 1.0 reduces with PREMUL_SUM, which gloo lacks: SUM (the
+    # same sums: no division either way).
+    from torch.distributed.fsdp import FSDPModule
+
+    for mod in net.modules():
+        if isinstance(mod, FSDPModule):
+            mod.set_force_sum_reduction_for_comms(True)
+    return net
+
+
+def inputs(family: str, seed: int):
+    if family == "dit":
+        return dit_inputs(seed)
+    return (zoo_models.tokens(256, 2, 8, seed),)
+
+
+def loss_of(family: str, out, inp):
+    if family == "dit":
+        return out.float().pow(2).mean()
+    return zoo_models.next_token_loss(out[:, :-1], inp[0])

@@ -1,0 +1,357 @@
+"""torch_ce.fsdp2 on CPU ranks (gloo, host transport): FSDP2 ``fully_shard`` models'
+all-gathers read from the windows, compared bit for bit with FSDP2's own path.
+
+One run of 2 ranks holds every scenario (the imports and the process group are paid once);
+each test asserts one scenario on every rank. Models (test/fsdp2_models.py): torchtitan's
+Llama3 and Qwen3 (2 blocks, CPU dims, sharded by torchtitan's ``apply_fsdp_to_decoder``) and
+a DiT (self-attn, cross-attn, MLP, adaLN). Fresh data per run (``seed_base``); one rank is
+several seconds late in each protocol (the bind, a training step, the update).
+World 3 (uneven shards: 64 rows over 3 ranks) is test_fsdp2_uneven_host.py.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from mp_harness import quiet_warnings, run_ranks, seed_base
+
+WORLD = 2
+LATE_S = 3.0
+FAMILIES = ("llama3", "qwen3", "dit")
+
+
+def _mesh(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def _late(rank: int, late: bool = True) -> None:
+    if rank == 1 and late:
+        time.sleep(LATE_S)
+
+
+def _rows_ok(rows) -> dict:
+    import torch_ce
+
+    cov = torch_ce.fsdp2.coverage(rows)
+    return dict(share=cov["share"], statuses=sorted({r.status for r in rows}),
+                reasons=sorted({r.reason for r in rows if r.reason}), calls=min(r.calls for r in rows))
+
+
+def infer(rank, world, seed, fam, param_dtype=None, compile_blocks=False, late=False) -> dict:
+    """FSDP2's own forward vs torch_ce's on the same weights, twice (the root keeps its
+    unsharded parameters after the first no_grad forward)."""
+    import fsdp2_models as M
+    import torch_ce
+
+    mesh = _mesh(world)
+    inp = M.inputs(fam, seed + 100 + rank)
+    ref = M.build(fam, mesh, seed, param_dtype=param_dtype, train=False, compile_blocks=compile_blocks)
+    with torch.no_grad():
+        want = ref(*inp)
+    m = M.build(fam, mesh, seed, param_dtype=param_dtype, train=False, compile_blocks=compile_blocks)
+    _late(rank, late)  # the bind round waits for the late rank
+    rows = torch_ce.fsdp2.enable(m)
+    _late(rank, late)  # static reads wait for nothing: the peer's chunk is bound already
+    with torch.no_grad():
+        got = [m(*inp) for _ in range(2)]
+    rows = torch_ce.fsdp2.rows()[-len(rows):]
+    out = dict(equal=[torch.equal(want, g) for g in got], **_rows_ok(rows),
+               how=sorted({r.how for r in rows}))
+    torch_ce.fsdp2.disable(m)
+    return out
+
+
+def train(rank, world, seed, fam, param_dtype=None, steps=5, late=False) -> dict:
+    """5 AdamW steps of FSDP2's own path and of torch_ce's, from the same weights."""
+    import fsdp2_models as M
+    import torch_ce
+
+    mesh = _mesh(world)
+    losses = {}
+    for which in ("fsdp2", "torch_ce"):
+        m = M.build(fam, mesh, seed, param_dtype=param_dtype, train=True)
+        if which == "torch_ce":
+            rows = torch_ce.fsdp2.enable(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        out = []
+        for step in range(steps):
+            inp = M.inputs(fam, seed + 1000 * step + rank)
+            if which == "torch_ce" and step == 2:
+                _late(rank, late)  # its peer waits at the step words, then reads the new chunk
+            loss = M.loss_of(fam, m(*inp), inp)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        losses[which] = out
+    rows = torch_ce.fsdp2.rows()[-len(rows):]
+    torch_ce.fsdp2.disable(m)
+    return dict(losses=losses, **_rows_ok(rows), how=sorted({r.how for r in rows}))
+
+
+def update(rank, world, seed, fam, param_dtype=None, path="load_state_dict", late=True) -> dict:
+    """New weights through ``updating_weights`` with rank 1 late: the next forward equals
+    FSDP2's own forward of a model built with them."""
+    import fsdp2_models as M
+    import torch_ce
+
+    mesh = _mesh(world)
+    inp = M.inputs(fam, seed + 200 + rank)
+    m = M.build(fam, mesh, seed, param_dtype=param_dtype, train=False)
+    torch_ce.fsdp2.enable(m)
+    sharded = dict(m.named_parameters())  # the sharded DTensors (enable() resharded)
+    with torch.no_grad():
+        before = m(*inp)
+    new = M.build(fam, mesh, seed + 7, param_dtype=param_dtype, train=False)
+    sd = new.state_dict()
+    _late(rank, late)
+    with torch_ce.updating_weights(m):
+        if path == "load_state_dict":
+            m.load_state_dict(sd)
+        else:  # copy_ into the local shards (the root's unsharded copy is then stale on FSDP2's path)
+            for name, p in sharded.items():
+                p.to_local().copy_(sd[name].to_local())
+    with torch.no_grad():
+        got, want = m(*inp), new(*inp)
+    torch_ce.fsdp2.disable(m)
+    return dict(equal=torch.equal(got, want), changed=not torch.equal(before, got))
+
+
+def stale(rank, world, seed) -> dict:
+    """A write outside the protocol (rank 0 writes, rank 1 does not) is a StaleWeightError
+    at rank 0's next forward, whichever way it wrote; writing again inside the protocol
+    makes every rank exact."""
+    import fsdp2_models as M
+    import torch_ce
+
+    mesh = _mesh(world)
+    inp = M.inputs("dit", seed + 300 + rank)
+    m = M.build("dit", mesh, seed, train=False)
+    torch_ce.fsdp2.enable(m)
+    with torch.no_grad():
+        m(*inp)
+    new = M.build("dit", mesh, seed + 9, train=False)
+    sd = new.state_dict()
+    key = "blocks.1.mlp_in.weight"
+    raised = {}
+    for path in ("state_dict().to_local().copy_", "load_state_dict", "to_local().copy_"):
+        if rank == 0:
+            with torch.no_grad():
+                if path == "load_state_dict":
+                    m.load_state_dict(sd)
+                elif path == "to_local().copy_":
+                    m.get_parameter("blocks.0.qkv.weight").to_local().add_(1.0)
+                else:
+                    m.state_dict()[key].to_local().copy_(sd[key].to_local())
+            try:
+                with torch.no_grad():
+                    m(*inp)
+                raised[path] = ""
+            except torch_ce.StaleWeightError as e:
+                raised[path] = str(e)
+        with torch_ce.updating_weights(m):
+            m.load_state_dict(sd)
+        with torch.no_grad():
+            raised[path + "/exact after"] = torch.equal(m(*inp), new(*inp))
+    torch_ce.fsdp2.disable(m)
+    return raised
+
+
+def timeout(rank, world, seed) -> dict:
+    """A peer that never runs the gather: a StepWordTimeout within the bound, naming it; the
+    group refuses every later call (no hang, no stale read)."""
+    import fsdp2_models as M
+    import torch_ce
+
+    mesh = _mesh(world)
+    m = M.build("dit", mesh, seed, train=True)
+    torch_ce.fsdp2.enable(m, timeout_s=1.5)
+    inp = M.dit_inputs(seed + rank)
+    if rank == 1:  # never arrives
+        return {}
+    errors = []
+    for _ in range(2):
+        t0 = time.monotonic()
+        try:
+            m(*inp)
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            errors.append((type(e).__name__, str(e), time.monotonic() - t0))
+    return dict(errors=errors)
+
+
+class _OwnGather:
+    """A user's custom all-gather (FSDP2's AllGather protocol)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        import torch.distributed as dist
+
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def refusals(rank, world, seed) -> dict:
+    """What keeps FSDP2's own all-gather, with the reason, and still gives its results."""
+    import fsdp2_models as M
+    import torch_ce
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = _mesh(world)
+    # The same ranks over another process group: a second param group per block.
+    other = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")
+    other_info = _get_mesh_info(other, None)
+    inp = M.dit_inputs(seed + 400 + rank)
+    out = {}
+
+    def per_param_mesh(p):
+        return ShardPlacementResult(placement=Shard(0), mesh_info=other_info) if p.dim() == 1 else None
+
+    cases = {
+        "cpu offload": dict(offload_policy=CPUOffloadPolicy(pin_memory=False)),
+        "param groups": dict(shard_placement_fn=per_param_mesh),
+        "custom comm": {},
+    }
+    for case, kw in cases.items():
+        models = []
+        for _ in range(2):
+            torch.manual_seed(seed)
+            net = M.DiT().requires_grad_(False)
+            for b in net.blocks:
+                fully_shard(b, mesh=mesh, **kw)
+            fully_shard(net, mesh=mesh, **({} if case == "param groups" else kw))
+            models.append(net)
+        ref, m = models
+        if case == "custom comm":
+            m.blocks[0].set_custom_all_gather(_OwnGather())
+        try:
+            rows = torch_ce.fsdp2.enable(m)
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            out[case] = dict(error=f"{type(e).__name__}: {e}")
+            continue
+        with torch.no_grad():
+            equal = torch.equal(ref(*inp), m(*inp))
+        out[case] = dict(equal=equal, rows=[(r.module, r.status, r.reason) for r in rows],
+                         table="\n".join(torch_ce.fsdp2.lines(rows)))
+        torch_ce.fsdp2.disable(m)
+    return out
+
+
+def _rank_all(rank, world, seed, cache_dir):
+    from mp_harness import setup_compile
+
+    setup_compile(cache_dir, rank, fx_cache=True)
+    quiet_warnings()
+    res, times = {}, {}
+
+    def run(name, fn, *args, **kw):
+        t0 = time.monotonic()
+        res[name] = fn(rank, world, seed, *args, **kw)
+        times[name] = round(time.monotonic() - t0, 1)
+
+    # One rank late in each protocol: the bind, the step words, the update.
+    run("infer/llama3", infer, "llama3", late=True)
+    run("infer/qwen3", infer, "qwen3")
+    run("infer/dit", infer, "dit")
+    run("infer/llama3/bf16", infer, "llama3", torch.bfloat16)
+    run("infer/dit/bf16", infer, "dit", torch.bfloat16)
+    run("infer/dit/compiled", infer, "dit", compile_blocks=True)
+    run("train/llama3/fp32", train, "llama3", late=True)
+    run("train/qwen3/bf16", train, "qwen3", torch.bfloat16)
+    run("train/dit/fp32", train, "dit")
+    run("train/dit/bf16", train, "dit", torch.bfloat16)
+    run("update/llama3/load_state_dict", update, "llama3")
+    run("update/dit/bf16/copy_", update, "dit", torch.bfloat16, path="copy_", late=False)
+    run("timeout", timeout)
+    run("stale", stale)
+    run("refusals", refusals)
+    res["times"] = times
+    return res
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("fsdp2_inductor"))
+    return run_ranks(_rank_all, WORLD, seed_base(), cache, timeout=600)
+
+
+@pytest.mark.parametrize("case", [*(f"infer/{f}" for f in FAMILIES), "infer/llama3/bf16",
+                                  "infer/dit/bf16", "infer/dit/compiled"])
+def test_inference_equals_fsdp2(results, case):
+    for rank, res in enumerate(results):
+        r = res[case]
+        assert r["equal"] == [True, True], (rank, r)
+        assert r["statuses"] == ["bound"] and r["share"] == 1.0, (rank, r)  # 100% on the copy engines
+        assert r["calls"] >= 1, (rank, r)
+        assert r["how"] == (["cast slot (bfloat16)"] if "bf16" in case else ["in place"]), (rank, r)
+
+
+@pytest.mark.parametrize("case", ["train/llama3/fp32", "train/qwen3/bf16", "train/dit/fp32", "train/dit/bf16"])
+def test_training_losses_bit_identical(results, case):
+    for rank, res in enumerate(results):
+        r = res[case]
+        assert r["losses"]["torch_ce"] == r["losses"]["fsdp2"], (rank, r["losses"])
+        assert r["statuses"] == ["bound"] and r["share"] == 1.0, (rank, r)
+        assert r["how"] == ["staged (training)"] and r["calls"] >= 5, (rank, r)
+    assert results[0][case]["losses"]["fsdp2"] != results[1][case]["losses"]["fsdp2"]  # each rank its data
+
+
+@pytest.mark.parametrize("case", ["update/llama3/load_state_dict", "update/dit/bf16/copy_"])
+def test_update_with_a_late_rank_is_exact(results, case):
+    for rank, res in enumerate(results):
+        assert res[case] == dict(equal=True, changed=True), (rank, res[case])
+
+
+def test_unprotected_write_is_a_stale_weight_error(results):
+    r0, r1 = results[0]["stale"], results[1]["stale"]
+    for path in ("state_dict().to_local().copy_", "load_state_dict", "to_local().copy_"):
+        assert "outside torch_ce.updating_weights" in r0[path], (path, r0[path])
+        assert r0[path + "/exact after"] is True and r1[path + "/exact after"] is True, (path, r0, r1)
+
+
+def test_a_peer_that_never_arrives_is_an_error_not_a_hang(results):
+    (first, why, waited), (second, why2, _) = results[0]["timeout"]["errors"]
+    assert first == "StepWordTimeout" and "rank 1 did not stage the chunk of gather 1" in why, why
+    assert 1.5 <= waited < 10, waited
+    assert "an earlier gather failed on this rank" in why2, why2
+
+
+def test_refusals_keep_fsdp2_and_say_why(results):
+    want = {"cpu offload": "CPU offload", "param groups": "param groups on one module", "custom comm": "a custom all-gather is set"}
+    for rank, res in enumerate(results):
+        for case, text in want.items():
+            r = res["refusals"][case]
+            assert "error" not in r, (rank, case, r)
+            assert r["equal"] is True, (rank, case, r)
+            refused = [row for row in r["rows"] if row[1] == "refused"]
+            assert refused and all(text in row[2] for row in refused), (rank, case, r["rows"])
+            assert text in r["table"], r["table"]
+
+
+class _Stub:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def test_integer_reshard_after_forward_is_refused():
+    """An integer reshard_after_forward (a post-forward mesh: 2 of 4 ranks, say) keeps FSDP2's
+    all-gather: its backward gathers over another group. One process: the verdict only
+    reads the param group's facts (a real one needs 4 ranks)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+    from torch_ce.fsdp2 import groups
+
+    fp = _Stub(offload_to_cpu=False, _sharded_local_tensor=torch.zeros(2))
+    pg = _Stub(fsdp_params=[fp], _all_gather_process_group=_Stub(size=lambda: 4),
+               offload_policy=None, _use_post_forward_mesh=True, _all_gather_comm=DefaultAllGather())
+    g = groups.judge("layers.0", None, None, pg, 1, "auto")
+    assert "integer reshard_after_forward" in g.reason and not g.mode

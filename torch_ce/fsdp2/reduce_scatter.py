@@ -1,0 +1,129 @@
+"""FSDP2's gradient reduce-scatter on the copy engines: ``set_custom_reduce_scatter``.
+
+FSDP2 (``fully_shard``) reduce-scatters one flat bucket per param group and backward:
+``reduce_scatter_input`` of W * n elements (every gradient of the group, chunk j of each
+back to back in rank j's n, padded) into ``reduce_output`` of n, on its reduce-scatter
+stream, with ``op`` AVG, SUM or ``PREMUL_SUM(factor)`` (``set_gradient_divide_factor``;
+torchtitan's 1.0 gives ``PREMUL_SUM(1.0)``). That is exactly one copy-engine
+reduce-scatter call (NOTE [copy-engine reduce-scatter] in runtime/reduce_scatter.py) of
+one input, its result written into FSDP2's own output, complete in stream order when the
+hook returns: FSDP2 records its event on that stream next, and HSDP's all-reduce across
+replicas runs after it on NCCL as before.
+
+Every rank runs its groups' backward reduce-scatters in the same order (autograd's), so
+the protocol's calls pair up; a rank whose order differs gets the protocol's error naming
+both calls, never a wrong sum. What the protocol does not take (another op, ``async_op``,
+a group of one, a refused transport) runs FSDP2's default collective, with the reason in
+``served`` (explain()).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import reduce_scatter as RS
+
+log = logging.getLogger("torch_ce")
+
+_INSTALLED: dict[int, object] = {}  # id(module) -> its comm (disable() removes it)
+
+
+def op_text(op, divide_factor: float | None = None) -> str | None:
+    """FSDP2's reduce op as the protocol's text, or None where it has none. A
+    ``PREMUL_SUM`` whose factor torch does not expose (torch < 2.12 has no
+    ``ReduceOp.factor``) is ``1 / divide_factor``, as FSDP2 made it
+    (``_get_gradient_divide_factors``)."""
+    kind = getattr(op, "op", op)  # a ReduceOp object (PREMUL_SUM) or a RedOpType
+    if kind == dist.ReduceOp.SUM:
+        return "sum"
+    if kind == dist.ReduceOp.AVG:
+        return "avg"
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if not isinstance(factor, (int, float)) and divide_factor:
+            factor = 1 / divide_factor
+        if isinstance(factor, (int, float)):
+            return f"premul_sum({float(factor)!r})"
+    return None
+
+
+def _divide_factor(module) -> float | None:
+    """The gradient divide factor FSDP2 made this module's op from (None: not set)."""
+    try:
+        return module._get_fsdp_state()._fsdp_param_group.gradient_divide_factor
+    except AttributeError:
+        return None
+
+
+def _comm_base():
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import ReduceScatter
+
+    return ReduceScatter
+
+
+class _Comm:
+    """The ``ReduceScatter`` FSDP2 calls: ``allocate`` as its default, ``__call__`` the
+    protocol into ``output_tensor``."""
+
+    def __init__(self, name: str, module=None):
+        import weakref
+
+        self.name = name
+        self._module = weakref.ref(module) if module is not None else (lambda: None)
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False):
+        module = self._module()
+        text = op_text(op, _divide_factor(module) if module is not None else None)
+        nbytes = input_tensor.numel() * input_tensor.element_size()
+        why = ""
+        if text is None:
+            why = f"FSDP2 asked for reduce op {op!r}, which the protocol does not take"
+        elif async_op:
+            why = "FSDP2 asked for an async_op reduce-scatter (a Work to wait on)"
+        elif input_tensor.dtype not in RS.DTYPES:
+            why = f"its gradients are {input_tensor.dtype} (the protocol takes fp32 and bf16)"
+        if why:
+            RS._note(self.name, nbytes, False, why)
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                              async_op=async_op)
+        RS.reduce_scatter([input_tensor], text, group.size(), group.group_name, self.name,
+                          outs=[output_tensor])
+        return None
+
+
+def install(module, group: dist.ProcessGroup | None = None, reason_sink=None,
+            name: str | None = None) -> bool:
+    """Install the copy-engine reduce-scatter on ``module`` (an ``FSDPModule``), its
+    calls named ``fsdp2 <name>`` in explain() (default: the module's class); False, with
+    the reason given to ``reason_sink`` (and logged), where FSDP2 refuses it (more than
+    one param group). ``group`` is FSDP2's own (it passes it at every call)."""
+    del group
+    name = name or type(module).__name__
+    base = _comm_base()
+    comm_cls = type("CopyEngineReduceScatter", (_Comm, base), {})
+    comm = comm_cls(f"fsdp2 {name}", module)
+    try:
+        module.set_custom_reduce_scatter(comm)
+    except (ValueError, AttributeError, AssertionError) as e:
+        why = f"FSDP2 refused a custom reduce-scatter on {name}: {e}"
+        log.warning("torch_ce: %s; its gradients stay on FSDP2's collective", why)
+        if reason_sink is not None:
+            reason_sink(why)
+        return False
+    _INSTALLED[id(module)] = comm
+    return True
+
+
+def uninstall(module) -> None:
+    """Put FSDP2's default reduce-scatter back on ``module``."""
+    if _INSTALLED.pop(id(module), None) is None:
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    module.set_custom_reduce_scatter(DefaultReduceScatter())

@@ -1,0 +1,86 @@
+"""Step words: the one-sided signals of a training group's gathers (host transport).
+
+# NOTE [FSDP2 training: step words]
+In training the weights change at every optimizer step, wherever and however it runs, so a
+training group does not read its peers' weights: each rank stages its chunk (FSDP2's own
+all-gather input of the call, already cast and padded) into a staging buffer in its
+window, and its peers read the buffer. Every rank numbers the group's gathers 1, 2, ...
+(FSDP2 runs them in one order on every rank: its own path is a collective), and owns two
+words in its window, each written by it alone:
+
+    ready   the last call whose chunk is in this rank's staging buffer
+    done    the last call whose reads of every peer's buffer this rank has finished
+
+Call k of the group, on every rank:
+
+    1. wait until every peer's done >= k - 1     (no peer still reads call k-1's bytes)
+    2. buffer <- this call's chunk; ready = k
+    3. per peer p (rotated order): wait until p's ready >= k, read p's buffer
+    4. done = k
+
+- Read after write: a rank reads p's buffer for call k only after p's ready reached k,
+  which p stores after it wrote the chunk of call k; x86 keeps stores in order and loads in
+  order (TSO), so the bytes are there. p cannot have moved on to call k+1's bytes: it
+  writes them only after this rank's done reached k, which this rank stores after its
+  reads (step 4 follows step 3).
+- Write after read: a rank overwrites its buffer (call k) only after every peer's done
+  reached k - 1, i.e. after every peer finished reading call k-1's bytes.
+- No barrier: a rank waits only for the word that guards the bytes it touches next, each
+  word has one writer, and nothing waits on a rank that is ahead. A late rank delays its
+  peers by exactly what they need from it (its chunk, or its leaving theirs).
+- No hang: every wait is bounded (``timeout_s``); a peer that never arrives is a
+  ``StepWordTimeout`` naming the group, the peer, the call and the word, and the group is
+  poisoned on this rank (each later call raises the same). FSDP2's other collectives (its
+  reduce-scatters) keep their own timeouts.
+Cost per call and group: one local copy of the chunk, two word stores, 2 (W-1) word
+loads (a wait that is already satisfied is one load). The signals live in host memory, so
+this is the host transport's protocol only: on CUDA a training group keeps FSDP2's own
+all-gather (``unavailable``) until the stream-flag version exists.
+"""
+from __future__ import annotations
+
+import platform
+import time
+
+import torch
+
+READY, DONE = 0, 1
+_POLL_S = (0.0, 0.02)  # the first and the longest sleep between two loads
+
+
+class StepWordTimeout(RuntimeError):
+    """A peer did not reach a training gather's step word within the timeout."""
+
+
+def unavailable(device: torch.device) -> str:
+    """Why a training group on ``device`` cannot take the step words ("" when it can)."""
+    if device.type != "cpu":
+        return ("training on CUDA: the FSDP2 step words are host-transport only so far (NOTE "
+                "[FSDP2 training: step words]); FSDP2 keeps its all-gather")
+    m = platform.machine().lower()
+    if m not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return (f"the step words rely on x86 store order (TSO) and this host is "
+                f"{platform.machine()}: FSDP2 keeps its all-gather")
+    return ""
+
+
+def wait_at_least(words: torch.Tensor, which: int, value: int, timeout_s: float, what: str) -> None:
+    """Wait until ``words[which] >= value`` (a peer's word, read from its window)."""
+    if int(words[which]) >= value:
+        return
+    deadline = time.monotonic() + timeout_s
+    sleep = _POLL_S[0]
+    while int(words[which]) < value:
+        if time.monotonic() > deadline:
+            name = "ready" if which == READY else "done"
+            raise StepWordTimeout(
+                f"torch_ce.fsdp2: {what}: its '{name}' word stayed at {int(words[which])}, "
+                f"below {value}, for {timeout_s:g} s (the peer crashed, hangs, or runs other "
+                "FSDP2 gathers than this rank; fsdp2.enable(timeout_s=...) sets the bound)")
+        time.sleep(sleep)
+        sleep = min(max(sleep * 2, 5e-5), _POLL_S[1])
+
+
+def post(words: torch.Tensor, which: int, value: int) -> None:
+    """This rank's word ``which`` = ``value`` (its only writer)."""
+    words[which] = value
