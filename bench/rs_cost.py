@@ -1,19 +1,35 @@
-"""The copy-engine reduce-scatter on one GPU, loopback workspaces (issue 37): the host cost
-per call, the GPU time per call, and what a call runs on the GPU (kernels, memcpys,
-stream memory operations) by the profiler.
+"""The copy-engine reduce-scatter's cost on one GPU, loopback workspaces, against the
+functional collective in the same run (issues 37 and 49).
 
-One process plays both ranks of a 2-rank group (test/cuda_helpers.py
-``loopback_workspaces``): a "call" is both ranks' launch and completion, so one rank's host
-cost is half of it. Per bucket size: ``--iters`` calls timed on the host (perf_counter
-around the Python calls, the GPU left to run behind them), then the same calls timed by
-CUDA events, then one profiled call. The kernels it lists are the reduction's only (an
-add per rank; casts for bf16): the pushes are memcpys, the flags stream memory operations.
+One process plays every rank of a W-rank group (test/cuda_helpers.py
+``loopback_workspaces``): a "call" is every rank's launch, then every rank's
+``wait_tensor`` on its outputs (what a graph does), so one rank's host cost is the call's
+host time over W. Per (world, dtype, size):
 
-    python3 bench/rs_cost.py [--mib 1,16,64] [--dtype float32] [--iters 50] [--json out.json]
+  functional     ``_c10d_functional.reduce_scatter_tensor`` + ``wait_tensor`` on a one-rank
+                 NCCL group: the host cost of the collective the op replaces
+  python         the CE call on the Python launch and completion (``rs_native`` off)
+  native         the CE call on the C++ ones with the fused reduction (``rs_native`` on;
+                 absent when the library lacks them)
+
+each as host microseconds per rank-call (median of ``--iters`` calls timed with
+perf_counter, the GPU left to run behind) and GPU ms per call (CUDA events); the
+profiler's kernels per call; the reduction kernel's achieved bandwidth ((W + 1) slices:
+W read, one written, over its profiled device time) beside a device-to-device copy's
+(``copy_``, 2 x the bytes over its CUDA-event time) of the same slice in the same run;
+and a captured call (every rank, native when it is there) replayed from a CUDA graph:
+host microseconds per replay. JSON and a PNG (matplotlib, where installed) under --out.
+
+    python3 bench/rs_cost.py [--mib 1,16,64] [--dtypes float32,bfloat16] [--worlds 2,3]
+                             [--iters 50] [--out bench/results/rs_cost] [--dry-run]
+
+``--dry-run`` needs no GPU: it checks the arguments, writes the plan (the cases and
+columns a GPU run fills) as JSON and exits (test/test_bench_cpu.py runs it).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -24,67 +40,252 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
 
+PATHS = ("functional", "python", "native")
+COLUMNS = ("host_us_per_rank_call", "host_us_p90", "gpu_ms_per_call", "kernels_per_call", "memcpys_per_call")
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser()
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", default="1,16,64", help="input MiB per rank, comma-separated")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--worlds", default="2,3")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--json", default="")
+    ap.add_argument("--out", default="", help="directory for rs_cost.json and rs_cost.png")
+    ap.add_argument("--json", default="", help="(kept for older scripts) a JSON path")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: write the plan and exit")
     a = ap.parse_args(argv)
-    from cuda_helpers import loopback_reduce_scatter, loopback_workspaces
+    a.mibs = [float(m) for m in a.mib.split(",") if m]
+    a.dtype_list = [d for d in a.dtypes.split(",") if d]
+    a.world_list = [int(w) for w in a.worlds.split(",") if w]
+    for d in a.dtype_list:
+        if d not in ("float32", "bfloat16"):
+            ap.error(f"--dtypes: {d!r} is not float32 or bfloat16")
+    if any(w < 2 for w in a.world_list) or any(m <= 0 for m in a.mibs) or a.iters < 1:
+        ap.error("worlds >= 2, sizes > 0 and iters >= 1")
+    return a
+
+
+def plan(a) -> list[dict]:
+    return [dict(world=w, dtype=d, mib=m) for w in a.world_list for d in a.dtype_list for m in a.mibs]
+
+
+def _numel(mib: float, dtype: torch.dtype, w: int) -> int:
+    return max(w * 1024, int(mib * 2**20) // dtype.itemsize // (w * 1024) * (w * 1024))
+
+
+def _host_times(fn, iters: int, per: int) -> list[float]:
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6 / per)
+    return out
+
+
+def _gpu_ms(fn, iters: int) -> float:
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _profile(fn) -> tuple[list, int, dict]:
+    """(kernel names, memcpys, {kernel name: total device us}) of one call."""
     from torch.profiler import ProfilerActivity, profile
 
-    import torch_ce  # noqa: F401  (the ops, the native library)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    dev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels, us = [], {}
+    memcpys = 0
+    for e in dev:
+        low = e.name.lower()
+        if "memcpy" in low:
+            memcpys += 1
+        elif "memset" not in low and "stream" not in low:
+            kernels.append(e.name)
+            us[e.name] = us.get(e.name, 0.0) + e.time_range.elapsed_us()
+    return kernels, memcpys, us
+
+
+def _summary(host: list, gpu_ms: float, kernels: list, memcpys: int) -> dict:
+    return dict(host_us_per_rank_call=statistics.median(host), host_us_p90=sorted(host)[int(0.9 * len(host))],
+                gpu_ms_per_call=gpu_ms, kernels_per_call=len(kernels), kernel_names=sorted(set(kernels)),
+                memcpys_per_call=memcpys)
+
+
+def _functional(group_name: str, x: torch.Tensor, iters: int) -> dict:
+    f = torch.ops._c10d_functional
+
+    def call():
+        f.wait_tensor(f.reduce_scatter_tensor(x, "sum", 1, group_name))
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    host = _host_times(call, iters, 1)
+    gpu = _gpu_ms(call, iters)
+    kernels, memcpys, _ = _profile(call)
+    return _summary(host, gpu, kernels, memcpys)
+
+
+def _ce(wss, xs, iters: int, w: int) -> tuple[dict, dict, object]:
+    """One CE path (the config decides which): its summary, the kernels' device us, a call."""
+    from torch_ce.runtime import reduce_scatter as RS
+
+    f = torch.ops._c10d_functional
+
+    def call():
+        calls = []
+        for ws, x in zip(wss, xs, strict=True):
+            c = RS.launch(ws, x, "sum", "bench", register=True)
+            if c.native is None:
+                RS._register(c)
+            calls.append(c)
+        return [[f.wait_tensor(o) for o in c.outs] for c in calls]
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    host = _host_times(call, iters, w)
+    gpu = _gpu_ms(call, iters)
+    kernels, memcpys, us = _profile(call)
+    return _summary(host, gpu, [k for k in kernels], memcpys), us, call
+
+
+def _copy_gbps(nbytes: int, dtype: torch.dtype, iters: int) -> float:
+    src = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _gpu_ms(lambda: dst.copy_(src), iters)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _graph_replay_us(call, iters: int) -> float:
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    host = _host_times(graph.replay, iters, 1)
+    torch.cuda.synchronize()
+    return statistics.median(host)
+
+
+def run(a) -> dict:
+    import torch.distributed as dist
+    from cuda_helpers import loopback_workspaces
+
+    import torch_ce
     from torch_ce.runtime import native
 
-    dtype = getattr(torch, a.dtype)
-    w = 2
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
+    group_name = dist.group.WORLD.group_name
+    has_native = native.has_rs_native()
     rows = []
-    for mib in (float(m) for m in a.mib.split(",")):
-        numel = int(mib * 2**20) // dtype.itemsize // (w * 1024) * (w * 1024)
-        wss = loopback_workspaces(w, numel // w, dtype)
-        xs = [[torch.randn(numel // 1024, 1024, device="cuda").to(dtype)] for _ in range(w)]
-        for _ in range(3):
-            loopback_reduce_scatter(wss, xs)
-        torch.cuda.synchronize()
-        host = []
-        for _ in range(a.iters):
-            t0 = time.perf_counter()
-            loopback_reduce_scatter(wss, xs)
-            host.append((time.perf_counter() - t0) * 1e6 / w)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(a.iters):
-            loopback_reduce_scatter(wss, xs)
-        end.record()
-        torch.cuda.synchronize()
-        gpu_ms = start.elapsed_time(end) / a.iters
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            loopback_reduce_scatter(wss, xs)
-            torch.cuda.synchronize()
-        dev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        kernels = sorted({e.name for e in dev if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()})
-        memcpys = sum(1 for e in dev if "memcpy" in e.name.lower())
-        syncs = sorted({e.name for e in prof.events() if "Synchronize" in e.name
-                        and e.name != "cudaDeviceSynchronize"})
-        rows.append(dict(mib=mib, dtype=a.dtype, host_us_per_rank_call=statistics.median(host),
-                         host_us_p90=sorted(host)[int(0.9 * len(host))],
-                         gpu_ms_per_call_both_ranks=gpu_ms, kernels=kernels,
-                         memcpys_per_call=memcpys, host_syncs=syncs))
-    out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-               build=native.build_info(), connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default"),
-               world=w, iters=a.iters, rows=rows)
-    print(f"{'MiB':>6} {'dtype':>9} {'host us/rank-call':>18} {'p90':>7} {'GPU ms/call':>12} {'memcpys':>8}  kernels")
-    for r in rows:
-        print(f"{r['mib']:>6g} {r['dtype']:>9} {r['host_us_per_rank_call']:>18.1f} {r['host_us_p90']:>7.1f} "
-              f"{r['gpu_ms_per_call_both_ranks']:>12.3f} {r['memcpys_per_call']:>8d}  {'; '.join(r['kernels'])}")
+    for case in plan(a):
+        w, dtype, mib = case["world"], getattr(torch, case["dtype"]), case["mib"]
+        numel = _numel(mib, dtype, w)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        xs = [[torch.randn(numel // 1024, 1024, device="cuda", generator=gen).to(dtype)] for _ in range(w)]
+        row = dict(case, numel_per_rank_input=numel,
+                   functional=_functional(group_name, xs[0][0], a.iters))
+        slice_bytes = numel // w * dtype.itemsize
+        for path in ("python", "native"):
+            if path == "native" and not has_native:
+                row[path] = None
+                continue
+            with torch_ce.config.patch(rs_native=path == "native"):
+                wss = loopback_workspaces(w, numel // w, dtype)
+                summary, us, call = _ce(wss, xs, a.iters, w)
+                if path == "native":
+                    k_us = sum(v for k, v in us.items() if "reduce_kernel" in k) / w
+                    summary["reduce_kernel_us"] = k_us
+                    summary["reduce_kernel_GBps"] = (w + 1) * slice_bytes / (k_us * 1e-6) / 1e9 if k_us else None
+                    summary["graph_replay_host_us"] = _graph_replay_us(call, a.iters)
+                row[path] = summary
+        row["copy_GBps"] = _copy_gbps(slice_bytes, dtype, a.iters)
+        if row["native"] and row["native"].get("reduce_kernel_GBps"):
+            row["kernel_over_copy"] = row["native"]["reduce_kernel_GBps"] / row["copy_GBps"]
+        for path in ("python", "native"):
+            if row[path]:
+                row[path]["host_over_functional"] = (row[path]["host_us_per_rank_call"]
+                                                     / row["functional"]["host_us_per_rank_call"])
+        rows.append(row)
+        del xs
+        torch.cuda.empty_cache()
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, build=native.build_info(),
+                reduce_kernel="cuda" if native.rs_has_kernel() else ("triton" if has_native else "none"),
+                connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default"), iters=a.iters, rows=rows)
+
+
+def table(out: dict) -> str:
+    lines = [f"{'W':>2} {'dtype':>9} {'MiB':>5} | {'host us/rank-call: NCCL':>23} {'python':>8} {'native':>8} "
+             f"{'nat/NCCL':>8} | {'kernel GB/s':>11} {'copy GB/s':>9} {'ratio':>6} | {'replay us':>9}"]
+    for r in out["rows"]:
+        nat = r.get("native") or {}
+        f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"  # noqa: E731
+        lines.append(
+            f"{r['world']:>2} {r['dtype']:>9} {r['mib']:>5g} | {f(r['functional']['host_us_per_rank_call'], '23.1f')} "
+            f"{f((r.get('python') or {}).get('host_us_per_rank_call'), '8.1f')} "
+            f"{f(nat.get('host_us_per_rank_call'), '8.1f')} {f(nat.get('host_over_functional'), '8.2f')} | "
+            f"{f(nat.get('reduce_kernel_GBps'), '11.0f')} {f(r.get('copy_GBps'), '9.0f')} "
+            f"{f(r.get('kernel_over_copy'), '6.2f')} | {f(nat.get('graph_replay_host_us'), '9.1f')}")
+    return "\n".join(lines)
+
+
+def plot(out: dict, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001 (no matplotlib: the JSON alone)
+        return False
+    rows = out["rows"]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
+    labels = [f"W{r['world']} {r['dtype'][:4]} {r['mib']:g}M" for r in rows]
+    width = 0.27
+    for k, path_name in enumerate(PATHS):
+        vals = [((r.get(path_name) or {}).get("host_us_per_rank_call") or 0.0) for r in rows]
+        ax.bar([x + (k - 1) * width for x in range(len(rows))], vals, width, label=path_name)
+    ax.set_xticks(range(len(rows)), labels, rotation=45, ha="right")
+    ax.set_ylabel("host us per rank-call")
+    ax.set_title(f"reduce-scatter host cost, {out.get('device', '')}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None) -> dict:
+    a = parse(argv)
+    if a.dry_run:
+        out = dict(dry_run=True, paths=list(PATHS), columns=list(COLUMNS), iters=a.iters, rows=plan(a))
+    else:
+        out = run(a)
+        print(table(out))
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "rs_cost.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        if not a.dry_run:
+            plot(out, os.path.join(a.out, "rs_cost.png"))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
+    if a.dry_run:
+        print(f"dry run: {len(out['rows'])} cases x {len(PATHS)} paths")
     return out
 
 
 if __name__ == "__main__":
-    main()
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

@@ -1,4 +1,7 @@
-// torch_ce: the CUDA kernels of magi::ce_all_gather[_coalesced], in C++.
+// torch_ce: the CUDA kernels of magi::ce_all_gather[_coalesced], in C++, and the
+// copy-engine reduce-scatter's stream flags and native launch and completion (NOTE
+// [native reduce-scatter path]; its reduction kernel is csrc/ce_reduce.cu). Host code
+// only: the host C++ compiler builds this file too (no kernel is defined here).
 //
 // Built by setup.py into torch_ce/runtime/_ce_torch*.so, only against a CUDA
 // build of torch, and loaded with torch.ops.load_library
@@ -43,6 +46,7 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cuda_runtime_api.h>
@@ -59,10 +63,12 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
 #include "ce_copy.h"
+#include "ce_reduce.h"
 #include "ce_rows.h"
 
 namespace {
@@ -849,6 +855,361 @@ int64_t host_write_words(int64_t addr, int64_t value, int64_t count, int64_t wid
   return fn(dptr, static_cast<unsigned short>(value), static_cast<size_t>(count), stream);
 }
 
+
+// # NOTE [native reduce-scatter path]
+// The copy-engine reduce-scatter's launch and completion (NOTE [copy-engine
+// reduce-scatter] in torch_ce/runtime/reduce_scatter.py), when
+// ``config.rs_native`` is set: the same protocol as the Python _Cuda path, word for
+// word and in the same order, in one C++ call per phase. Python keeps what is
+// decided once per group or per call signature (the workspace round and growth,
+// the half, the sequence number, the tag, the "owed completion first" rule) and the
+// watchdog; what it did per call in Python is here:
+//
+//   rs_workspace  once per workspace: every flag, header and slice address as plain
+//                 integers (wherever the flags live: device or host-mapped memory),
+//                 the copy and reduce streams (the Python ones, so the workspace's
+//                 bounded syncs still see them)
+//   rs_launch     the outputs (unless given), the copy stream after the current
+//                 one, for each peer j from i + 1 on: wait free[h, j] == 1 (EQ),
+//                 reset it, one cudaMemcpyAsync per bucket member into j's recv[h, i]
+//                 (capturable), write seq, numel, then the tag (default flags: a
+//                 memory barrier before each write); an event after the pushes; the
+//                 c10d work on the outputs (``register_work``)
+//   rs_complete   once (idempotent): the reduce stream after the pushes, for each
+//                 peer wait data[h, j] == tag (EQ), reset it; the reduction (one
+//                 kernel, NOTE [reduction kernel] in ce_reduce.cu; without nvcc the
+//                 Python op torch_ce::rs_reduce_fallback: the Triton kernel); free[h, i]
+//                 = 1 in each peer; the done event. The work's first wait() runs it
+//                 (as Python's CompletionWork did), every wait() makes its stream wait
+//                 the done event.
+//   rs_query      the call's stage for the watchdog (0 launched, 1 completion being
+//                 enqueued, 2 done event recorded, 3 done): the watchdog starts the
+//                 call's deadline when it first sees 1, exactly when the Python path
+//                 would have watched it.
+//
+// The stage moves to 1 before the first wait of the completion is enqueued, so a
+// host thread that then blocks (lazy module loading behind a blocked wait) is
+// released by the watchdog as on the Python path.
+using StreamWaitFn = int (*)(cudaStream_t, unsigned long long, unsigned int, unsigned int);
+
+void rs_wait(cudaStream_t s, uint64_t addr, uint32_t value, int device) {
+  static auto fn = reinterpret_cast<StreamWaitFn>(driver_entry("cuStreamWaitValue32"));
+  int rc = fn(s, static_cast<unsigned long long>(addr), value, wait_flags(device));
+  TORCH_CHECK(rc == 0, "torch_ce: cuStreamWaitValue32 failed (CUresult ", rc, ")");
+}
+
+void rs_write(cudaStream_t s, uint64_t addr, uint32_t value) {
+  static auto fn = reinterpret_cast<StreamWriteValue32Fn>(driver_entry("cuStreamWriteValue32"));
+  // Default flags: a memory barrier before the write (NOTE [stream flags]).
+  int rc = fn(s, static_cast<unsigned long long>(addr), value, 0u);
+  TORCH_CHECK(rc == 0, "torch_ce: cuStreamWriteValue32 failed (CUresult ", rc, ")");
+}
+
+// Address tables, each [half * world + peer].
+enum RsTable : int {
+  kOwnData = 0,   // this rank's data[h, j]
+  kOwnFree,       // this rank's free[h, j]
+  kPeerData,      // peer j's data[h, i]
+  kPeerFree,      // peer j's free[h, i]
+  kPeerSeq,       // peer j's head[h, i, 0]
+  kPeerNumel,     // peer j's head[h, i, 1]
+  kPeerRecv,      // peer j's recv[h, i]
+  kOwnRecv,       // this rank's recv[h, j]
+  kTables
+};
+
+struct RsWorkspace : torch::CustomClassHolder {
+  int64_t world = 0, self = 0, cap = 0, esize = 0, device = 0;
+  c10::ScalarType dtype = at::kFloat;
+  std::vector<uint64_t> addr;  // kTables x 2 x world
+  cudaStream_t copy = nullptr, reduce = nullptr;
+
+  uint64_t at(int table, int64_t half, int64_t peer) const {
+    return addr[(table * 2 + half) * world + peer];
+  }
+};
+
+struct RsCall : torch::CustomClassHolder {
+  c10::intrusive_ptr<RsWorkspace> ws;
+  int64_t half = 0, seq = 0, numel = 0, tag = 0, op = 0;
+  double factor = 1.0;
+  std::vector<at::Tensor> flats, outs;  // held until the call dies (the watchdog's Python Call and the work)
+  std::vector<int64_t> ns;
+  cudaEvent_t pushed = nullptr, done = nullptr;
+  std::atomic<int> stage{0};
+  std::mutex mu;
+  bool completed = false;
+
+  ~RsCall() override {
+    if (pushed) give_event(static_cast<int>(ws->device), pushed);
+    if (done) give_event(static_cast<int>(ws->device), done);
+  }
+};
+
+c10::intrusive_ptr<RsWorkspace> rs_workspace(std::vector<int64_t> addrs, int64_t world, int64_t self,
+                                             int64_t cap, c10::ScalarType dtype, int64_t device,
+                                             int64_t copy_stream, int64_t reduce_stream) {
+  TORCH_CHECK(world >= 2 && self >= 0 && self < world && cap > 0, "torch_ce: rs_workspace: world ", world,
+              ", index ", self, ", cap ", cap);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "torch_ce: rs_workspace: dtype ", dtype);
+  TORCH_CHECK(static_cast<int64_t>(addrs.size()) == kTables * 2 * world,
+              "torch_ce: rs_workspace: ", addrs.size(), " addresses, expected ", kTables * 2 * world);
+  auto ws = c10::make_intrusive<RsWorkspace>();
+  ws->world = world;
+  ws->self = self;
+  ws->cap = cap;
+  ws->dtype = dtype;
+  ws->esize = static_cast<int64_t>(c10::elementSize(dtype));
+  ws->device = device;
+  for (int64_t a : addrs) ws->addr.push_back(static_cast<uint64_t>(a));
+  ws->copy = reinterpret_cast<cudaStream_t>(copy_stream);
+  ws->reduce = reinterpret_cast<cudaStream_t>(reduce_stream);
+  return ws;
+}
+
+constexpr int64_t kOpSum = 0, kOpAvg = 1, kOpPremul = 2;
+
+class RsWork : public c10d::Work {
+ public:
+  explicit RsWork(c10::intrusive_ptr<RsCall> call)
+      : c10d::Work(-1, c10d::OpType::REDUCE_SCATTER), call_(std::move(call)) {}
+
+  bool wait(std::chrono::milliseconds /*timeout*/) override;
+
+  bool isCompleted() override {
+    if (call_->stage.load() < 2) return false;
+    cudaError_t err = cudaEventQuery(call_->done);
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    CE_CUDA_CHECK(err, "cudaEventQuery");
+    return true;
+  }
+
+  bool isSuccess() const override { return true; }
+
+  void synchronize() override {
+    if (call_->stage.load() >= 2) CE_CUDA_CHECK(cudaEventSynchronize(call_->done), "cudaEventSynchronize");
+  }
+
+ private:
+  c10::intrusive_ptr<RsCall> call_;
+};
+
+std::tuple<c10::intrusive_ptr<RsCall>, std::vector<at::Tensor>> rs_launch(
+    const c10::intrusive_ptr<RsWorkspace>& ws, at::TensorList inputs, at::TensorList outs, int64_t half,
+    int64_t seq, int64_t numel, int64_t tag, int64_t op, double factor, bool register_work) {
+  const int64_t w = ws->world, i = ws->self;
+  TORCH_CHECK(!inputs.empty() && (half == 0 || half == 1) && op >= kOpSum && op <= kOpPremul,
+              "torch_ce: rs_launch: bad arguments");
+  TORCH_CHECK(outs.empty() || outs.size() == inputs.size(), "torch_ce: rs_launch: one output per input");
+  const int device = static_cast<int>(ws->device);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const auto cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+  auto call = c10::make_intrusive<RsCall>();
+  call->ws = ws;
+  call->half = half;
+  call->seq = seq;
+  call->numel = numel;
+  call->tag = tag;
+  call->op = op;
+  call->factor = factor;
+  int64_t total = 0;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    const at::Tensor& x = inputs[k];
+    TORCH_CHECK(x.is_cuda() && x.scalar_type() == ws->dtype && x.device().index() == device && x.dim() >= 1 &&
+                    x.size(0) % w == 0,
+                "torch_ce: rs_launch: input ", k, " does not match the workspace (device, dtype, rows)");
+    call->flats.push_back(x.contiguous().view(-1));
+    call->ns.push_back(call->flats.back().numel() / w);
+    total += call->ns.back();
+    if (outs.empty()) {
+      std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+      sizes[0] /= w;
+      call->outs.push_back(at::empty(sizes, x.options()));
+    } else {
+      TORCH_CHECK(outs[k].is_contiguous() && outs[k].numel() == call->ns.back() &&
+                      outs[k].scalar_type() == ws->dtype,
+                  "torch_ce: rs_launch: output ", k, " is not contiguous, or not of the input's chunk");
+      call->outs.push_back(outs[k]);
+    }
+  }
+  TORCH_CHECK(total <= ws->cap, "torch_ce: rs_launch: ", total, " elements per rank, the workspace holds ", ws->cap);
+  // The copy stream after the current one (the gradient is ready, the outputs allocated).
+  cudaEvent_t ready = take_event(device);
+  CE_CUDA_CHECK(cudaEventRecord(ready, cur.stream()), "cudaEventRecord");
+  CE_CUDA_CHECK(cudaStreamWaitEvent(ws->copy, ready, 0), "cudaStreamWaitEvent");
+  give_event(device, ready);
+  const auto esize = ws->esize;
+  for (int64_t k = 1; k < w; ++k) {
+    const int64_t j = (i + k) % w;
+    const uint64_t free_flag = ws->at(kOwnFree, half, j);
+    rs_wait(ws->copy, free_flag, 1u, device);
+    rs_write(ws->copy, free_flag, 0u);
+    char* dst = reinterpret_cast<char*>(ws->at(kPeerRecv, half, j));
+    for (size_t m = 0; m < call->flats.size(); ++m) {
+      const int64_t n = call->ns[m];
+      if (n > 0)
+        CE_CUDA_CHECK(cudaMemcpyAsync(dst, static_cast<const char*>(call->flats[m].data_ptr()) + j * n * esize,
+                                      static_cast<size_t>(n * esize), cudaMemcpyDeviceToDevice, ws->copy),
+                      "cudaMemcpyAsync");
+      dst += n * esize;
+    }
+    rs_write(ws->copy, ws->at(kPeerSeq, half, j), static_cast<uint32_t>(seq));
+    rs_write(ws->copy, ws->at(kPeerNumel, half, j), static_cast<uint32_t>(numel));
+    rs_write(ws->copy, ws->at(kPeerData, half, j), static_cast<uint32_t>(tag));
+  }
+  call->pushed = take_event(device);
+  CE_CUDA_CHECK(cudaEventRecord(call->pushed, ws->copy), "cudaEventRecord");
+  if (register_work) {
+    auto work = c10::make_intrusive<RsWork>(call);
+    for (auto& o : call->outs) c10d::register_work(o, work);
+  }
+  return std::make_tuple(call, call->outs);
+}
+
+#ifndef TORCH_CE_REDUCE_KERNEL
+// The reduction of a call without the CUDA kernel: the Python op (the Triton kernel).
+void reduce_fallback(const RsCall& call, const at::Tensor& recv_half, const std::vector<at::Tensor>& owns,
+                     const std::vector<int64_t>& offs) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("torch_ce::rs_reduce_fallback", "");
+  std::vector<c10::IValue> stack;
+  stack.emplace_back(owns);
+  stack.emplace_back(call.outs);
+  stack.emplace_back(recv_half);
+  stack.emplace_back(call.ws->self);
+  stack.emplace_back(offs);
+  stack.emplace_back(call.op);
+  stack.emplace_back(call.factor);
+  op.callBoxed(&stack);
+}
+#endif
+
+void rs_reduce(RsCall& call) {
+  const RsWorkspace& ws = *call.ws;
+  const int64_t w = ws.world, i = ws.self, h = call.half;
+  const int64_t slice_bytes = static_cast<int64_t>(ws.at(kOwnRecv, h, 1) - ws.at(kOwnRecv, h, 0));
+  TORCH_CHECK(slice_bytes == ws.cap * ws.esize, "torch_ce: rs_complete: the receive slices are not ",
+              "back to back (", slice_bytes, " bytes apart, expected ", ws.cap * ws.esize, ")");
+  // avg: fp32(1 / W), torch's CUDA div_ by a scalar (1.0 / W in double, rounded to fp32: the
+  // same value as the fp32 division for every W up to 4096); premul: the factor rounded to fp32.
+  const float scale = call.op == kOpAvg ? static_cast<float>(1.0 / static_cast<double>(w))
+                                        : static_cast<float>(call.factor);
+#ifdef TORCH_CE_REDUCE_KERNEL
+  torch_ce_reduce::Args a{};
+  a.recv_half = reinterpret_cast<const void*>(ws.at(kOwnRecv, h, 0));
+  a.slice_bytes = slice_bytes;
+  a.world = static_cast<int>(w);
+  a.self = static_cast<int>(i);
+  a.op = static_cast<int>(call.op);
+  a.scale = scale;
+  int64_t off = 0;
+  for (size_t m = 0; m < call.flats.size(); ++m) {
+    if (a.nseg == torch_ce_reduce::kMaxSegs) {
+      CE_CUDA_CHECK(torch_ce_reduce::launch_reduce(a, ws.dtype == at::kBFloat16, ws.reduce), "reduction kernel launch");
+      a.nseg = 0;
+    }
+    const int64_t n = call.ns[m];
+    auto& s = a.seg[a.nseg++];
+    s.own = static_cast<const char*>(call.flats[m].data_ptr()) + i * n * ws.esize;
+    s.out = call.outs[m].data_ptr();
+    s.n = n;
+    s.off = off;
+    off += n;
+  }
+  CE_CUDA_CHECK(torch_ce_reduce::launch_reduce(a, ws.dtype == at::kBFloat16, ws.reduce), "reduction kernel launch");
+  (void)scale;
+#else
+  (void)scale;
+  auto opts = at::TensorOptions().dtype(ws.dtype).device(at::kCUDA, static_cast<c10::DeviceIndex>(ws.device));
+  at::Tensor recv_half = at::from_blob(reinterpret_cast<void*>(ws.at(kOwnRecv, h, 0)), {w, ws.cap}, opts);
+  std::vector<at::Tensor> owns;
+  std::vector<int64_t> offs;
+  int64_t off = 0;
+  for (size_t m = 0; m < call.flats.size(); ++m) {
+    const int64_t n = call.ns[m];
+    owns.push_back(call.flats[m].narrow(0, i * n, n));
+    offs.push_back(off);
+    off += n;
+  }
+  const c10::cuda::CUDAStreamGuard sg(
+      c10::cuda::getStreamFromExternal(ws.reduce, static_cast<c10::DeviceIndex>(ws.device)));
+  reduce_fallback(call, recv_half, owns, offs);
+#endif
+}
+
+void rs_complete(const c10::intrusive_ptr<RsCall>& call, bool wait_current) {
+  const RsWorkspace& ws = *call->ws;
+  const int device = static_cast<int>(ws.device);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  std::lock_guard<std::mutex> lk(call->mu);
+  if (!call->completed) {
+    call->completed = true;
+    call->stage.store(1);  // the watchdog's deadline starts: before any wait is enqueued
+    const int64_t w = ws.world, i = ws.self, h = call->half;
+    CE_CUDA_CHECK(cudaStreamWaitEvent(ws.reduce, call->pushed, 0), "cudaStreamWaitEvent");
+    for (int64_t k = 1; k < w; ++k) {  // every sender checked before anything is reduced
+      const uint64_t flag = ws.at(kOwnData, h, (i + k) % w);
+      rs_wait(ws.reduce, flag, static_cast<uint32_t>(call->tag), device);
+      rs_write(ws.reduce, flag, 0u);
+    }
+    rs_reduce(*call);
+    for (int64_t k = 1; k < w; ++k) rs_write(ws.reduce, ws.at(kPeerFree, h, (i + k) % w), 1u);
+    call->done = take_event(device);
+    CE_CUDA_CHECK(cudaEventRecord(call->done, ws.reduce), "cudaEventRecord");
+    call->stage.store(2);
+  }
+  if (wait_current) {
+    auto cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+    CE_CUDA_CHECK(cudaStreamWaitEvent(cur.stream(), call->done, 0), "cudaStreamWaitEvent");
+  }
+}
+
+bool RsWork::wait(std::chrono::milliseconds /*timeout*/) {
+  rs_complete(call_, /*wait_current=*/true);  // the first wait enqueues it; every wait waits it
+  return true;
+}
+
+// The call's c10d work on its outputs, after its launch (rs_launch's ``register_work``
+// does it in the same call).
+void rs_register(const c10::intrusive_ptr<RsCall>& call) {
+  auto work = c10::make_intrusive<RsWork>(call);
+  for (auto& o : call->outs) c10d::register_work(o, work);
+}
+
+// ``stream`` (a cudaStream_t as an integer) waits for the call's completion (enqueued first).
+void rs_stream_wait(const c10::intrusive_ptr<RsCall>& call, int64_t stream) {
+  rs_complete(call, false);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(call->ws->device));
+  CE_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), call->done, 0),
+                "cudaStreamWaitEvent");
+}
+
+int64_t rs_query(const c10::intrusive_ptr<RsCall>& call) {
+  const int stage = call->stage.load();
+  if (stage < 2) return stage;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(call->ws->device));
+  cudaError_t err = cudaEventQuery(call->done);
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return 2;
+  }
+  CE_CUDA_CHECK(err, "cudaEventQuery");
+  return 3;
+}
+
+// Whether the library has the reduction kernel (nvcc build) or hands the reduction to
+// torch_ce::rs_reduce_fallback.
+bool rs_has_kernel() {
+#ifdef TORCH_CE_REDUCE_KERNEL
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torch_ce_native, m) {
@@ -876,6 +1237,21 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("stream_write_value32(int addr, int value) -> ()", &stream_write_value32);
   m.def("stream_flags_info() -> int[]", &stream_flags_info);
   m.def("host_write_words(int addr, int value, int count, int width, int method) -> int", &host_write_words);
+  // NOTE [native reduce-scatter path]
+  m.class_<RsWorkspace>("RsWorkspace");
+  m.class_<RsCall>("RsCall");
+  m.def("rs_workspace(int[] addrs, int world, int index, int cap, ScalarType dtype, int device, "
+        "int copy_stream, int reduce_stream) -> __torch__.torch.classes.torch_ce_native.RsWorkspace",
+        &rs_workspace);
+  m.def("rs_launch(__torch__.torch.classes.torch_ce_native.RsWorkspace ws, Tensor[] inputs, Tensor[] outs, "
+        "int half, int seq, int numel, int tag, int op, float factor, bool register_work) -> "
+        "(__torch__.torch.classes.torch_ce_native.RsCall, Tensor[])",
+        &rs_launch);
+  m.def("rs_complete(__torch__.torch.classes.torch_ce_native.RsCall call, bool wait_current) -> ()", &rs_complete);
+  m.def("rs_stream_wait(__torch__.torch.classes.torch_ce_native.RsCall call, int stream) -> ()", &rs_stream_wait);
+  m.def("rs_register(__torch__.torch.classes.torch_ce_native.RsCall call) -> ()", &rs_register);
+  m.def("rs_query(__torch__.torch.classes.torch_ce_native.RsCall call) -> int", &rs_query);
+  m.def("rs_has_kernel() -> bool", &rs_has_kernel);
 }
 
 TORCH_LIBRARY_IMPL(torch_ce_native, CompositeImplicitAutograd, m) {

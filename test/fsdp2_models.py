@@ -76,10 +76,13 @@ def shard_dit(model: DiT, mesh, param_dtype=None, **kw) -> DiT:
     return model
 
 
-def build(family: str, mesh, seed: int, *, param_dtype=None, train: bool, compile_blocks: bool = False):
+def build(family: str, mesh, seed: int, *, param_dtype=None, train: bool, compile_blocks: bool = False,
+          force_sum: bool = True):
     """``family`` ("llama3", "qwen3", "dit") from ``seed`` (the same weights on every rank),
     ``fully_shard``ed as torchtitan's trainer does (blocks compiled first when asked), in
-    train mode with grads or in eval mode without."""
+    train mode with grads or in eval mode without. ``force_sum=False`` keeps torchtitan's
+    ``PREMUL_SUM(1.0)`` (the caller then gives the reference run a comm gloo can run:
+    ``premul_reference``)."""
     torch.manual_seed(seed)
     if family == "dit":
         net = DiT()
@@ -107,10 +110,24 @@ def build(family: str, mesh, seed: int, *, param_dtype=None, train: bool, compil
     # same sums: no division either way).
     from torch.distributed.fsdp import FSDPModule
 
-    for mod in net.modules():
+    for mod in net.modules() if force_sum else ():
         if isinstance(mod, FSDPModule):
             mod.set_force_sum_reduction_for_comms(True)
     return net
+
+
+def premul_reference(net) -> None:
+    """FSDP2's reduce-scatter of ``net`` (built with ``force_sum=False``) as NCCL would run
+    torchtitan's ``PREMUL_SUM(1 / divide factor)``: gloo's sum of the premultiplied
+    gradients (test_fsdp2_reduce_scatter_host._PremulReference)."""
+    from test_fsdp2_reduce_scatter_host import _PremulReference
+    from torch.distributed.fsdp import FSDPModule
+
+    from torch_ce.fsdp2.reduce_scatter import _divide_factor
+
+    for m in net.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_reduce_scatter(_PremulReference(_divide_factor(m) or 1.0))
 
 
 def inputs(family: str, seed: int):

@@ -17,7 +17,7 @@ def test_help_exits_0(mod, capsys):
     assert "torch-ce bench" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("sub", ["ops", "e2e", "plot-scaling"])
+@pytest.mark.parametrize("sub", ["ops", "e2e", "fsdp2", "plot-scaling"])
 def test_cli_help_exits_0(sub):
     from torch_ce.cli import main
 
@@ -297,7 +297,7 @@ def test_ops_summary_prints_the_peer_order_ab(capsys):
     assert "['rotated', 0]" in ab and "901.0 / 224" in ab and "1.502" in ab and "615.0 / 327" in ab
 
 
-@pytest.mark.parametrize("sub", ["ops", "e2e", "train"])
+@pytest.mark.parametrize("sub", ["ops", "e2e", "train", "fsdp2"])
 def test_bench_on_fewer_than_two_gpus_exits_with_one_line(sub, tmp_path, capsys, monkeypatch):
     """Without 2 GPUs (and no --device cpu) a bench refuses in one line and writes nothing:
     one rank would time nothing and write an empty JSON / PNG."""

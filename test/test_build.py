@@ -213,7 +213,7 @@ def test_peer_order_knobs(monkeypatch):
 def test_no_getenv_in_the_gather():
     """No knob is read from the environment in C++ (NOTE [experiment knobs]: Python reads
     them once and pushes them)."""
-    for name in ("ce_ops.cu", "ce_copy.h", "ce_rows.cu"):
+    for name in ("ce_ops.cu", "ce_copy.h", "ce_rows.cu", "ce_reduce.cu", "ce_reduce.h"):
         with open(os.path.join(ROOT, "csrc", name)) as f:
             assert "getenv" not in f.read(), name
 

@@ -5,8 +5,13 @@ One run of 2 ranks holds every scenario (the imports and the process group are p
 each test asserts one scenario on every rank. Models (test/fsdp2_models.py): torchtitan's
 Llama3 and Qwen3 (2 blocks, CPU dims, sharded by torchtitan's ``apply_fsdp_to_decoder``) and
 a DiT (self-attn, cross-attn, MLP, adaLN). Fresh data per run (``seed_base``); one rank is
-several seconds late in each protocol (the bind, a training step, the update).
-World 3 (uneven shards: 64 rows over 3 ranks) is test_fsdp2_uneven_host.py.
+several seconds late in each protocol (the bind, a training step, the update, the
+reduce-scatter). Training runs twice over: torch_ce's gathers with FSDP2's reduce-scatter,
+and (``/ce_rs``: torchtitan's Llama3 and Qwen3, fp32 and bf16 ``param_dtype``) with the
+copy-engine reduce-scatter too, on torchtitan's own op, ``PREMUL_SUM(1.0)``; explain()
+must show every gathered and reduced byte of those runs on the copy engines.
+World 3 (uneven shards: 64 rows over 3 ranks) is test_fsdp2_uneven_host.py; HSDP (2 x 2,
+slow) is ``test_hsdp_2x2_serves_the_shard_dim`` below.
 """
 from __future__ import annotations
 
@@ -20,11 +25,20 @@ from mp_harness import quiet_warnings, run_ranks, seed_base
 WORLD = 2
 LATE_S = 3.0
 FAMILIES = ("llama3", "qwen3", "dit")
+# torchtitan's models trained with torch_ce's gathers and reduce-scatter (world 2 here,
+# world 3 in test_fsdp2_uneven_host.py): fp32 and bf16 param_dtype
+TRAIN_CE_RS = [(f, dt) for f in ("llama3", "qwen3") for dt in (None, torch.bfloat16)]
 
 
-def _mesh(world):
+def _dt(dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
+
+
+def _mesh(world, hsdp=False):
     from torch.distributed.device_mesh import init_device_mesh
 
+    if hsdp:  # HSDP: shard within pairs, replicate across them
+        return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh("cpu", (world,))
 
 
@@ -41,13 +55,13 @@ def _rows_ok(rows) -> dict:
                 reasons=sorted({r.reason for r in rows if r.reason}), calls=min(r.calls for r in rows))
 
 
-def infer(rank, world, seed, fam, param_dtype=None, compile_blocks=False, late=False) -> dict:
+def infer(rank, world, seed, fam, param_dtype=None, compile_blocks=False, late=False, hsdp=False) -> dict:
     """FSDP2's own forward vs torch_ce's on the same weights, twice (the root keeps its
     unsharded parameters after the first no_grad forward)."""
     import fsdp2_models as M
     import torch_ce
 
-    mesh = _mesh(world)
+    mesh = _mesh(world, hsdp)
     inp = M.inputs(fam, seed + 100 + rank)
     ref = M.build(fam, mesh, seed, param_dtype=param_dtype, train=False, compile_blocks=compile_blocks)
     with torch.no_grad():
@@ -65,17 +79,30 @@ def infer(rank, world, seed, fam, param_dtype=None, compile_blocks=False, late=F
     return out
 
 
-def train(rank, world, seed, fam, param_dtype=None, steps=5, late=False) -> dict:
-    """5 AdamW steps of FSDP2's own path and of torch_ce's, from the same weights."""
+def train(rank, world, seed, fam, param_dtype=None, steps=5, late=False, reduce_scatter="collective",
+          hsdp=False) -> dict:
+    """5 AdamW steps of FSDP2's own path and of torch_ce's, from the same weights.
+
+    ``reduce_scatter="copy_engine"``: torch_ce's run reduce-scatters the gradients on the
+    copy-engine protocol too, with torchtitan's own op for the Llama3 / Qwen3 models
+    (``PREMUL_SUM(1.0)``; the reference: gloo's sum of the premultiplied gradients, as NCCL
+    runs it), and a late rank also waits inside a backward (the protocol's pushes). Beside
+    the losses: what explain() says of the run (its rows and the reduce-scatter bytes)."""
     import fsdp2_models as M
     import torch_ce
+    from torch_ce.runtime import reduce_scatter as RS
 
-    mesh = _mesh(world)
+    ce_rs = reduce_scatter == "copy_engine"
+    premul = ce_rs and fam != "dit"
+    mesh = _mesh(world, hsdp)
     losses = {}
     for which in ("fsdp2", "torch_ce"):
-        m = M.build(fam, mesh, seed, param_dtype=param_dtype, train=True)
+        m = M.build(fam, mesh, seed, param_dtype=param_dtype, train=True, force_sum=not premul)
+        if premul and which == "fsdp2":
+            M.premul_reference(m)
         if which == "torch_ce":
-            rows = torch_ce.fsdp2.enable(m)
+            before = {k: (v.ce_bytes, v.collective_bytes) for k, v in RS.served.items()}
+            rows = torch_ce.fsdp2.enable(m, reduce_scatter=reduce_scatter)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         out = []
         for step in range(steps):
@@ -83,14 +110,26 @@ def train(rank, world, seed, fam, param_dtype=None, steps=5, late=False) -> dict
             if which == "torch_ce" and step == 2:
                 _late(rank, late)  # its peer waits at the step words, then reads the new chunk
             loss = M.loss_of(fam, m(*inp), inp)
+            if which == "torch_ce" and step == 3 and ce_rs:
+                _late(rank, late)  # its peer waits in the reduce-scatter protocol
             loss.backward()
             opt.step()
             opt.zero_grad()
             out.append(loss.item())
         losses[which] = out
-    rows = torch_ce.fsdp2.rows()[-len(rows):]
+    e = torch_ce.explain()
+    rows = e.fsdp2[-len(rows):]  # this model's rows, as explain() holds them
+    served = {}  # this run's reduce-scatter bytes, per FSDP2 group: (copy engine, collective)
+    for k, v in e.reduce_scatter_coverage()["served"].items():
+        ce0, coll0 = before.get(k, (0, 0))
+        if v["ce_bytes"] - ce0 or v["collective_bytes"] - coll0:
+            served[k] = (v["ce_bytes"] - ce0, v["collective_bytes"] - coll0, v["reason"])
+    table = "\n".join(torch_ce.fsdp2.lines(rows))
     torch_ce.fsdp2.disable(m)
-    return dict(losses=losses, **_rows_ok(rows), how=sorted({r.how for r in rows}))
+    return dict(losses=losses, **_rows_ok(rows), how=sorted({r.how for r in rows}),
+                rs=sorted({r.reduce_scatter for r in rows}), served=served, table=table,
+                ranks=[list(torch.distributed.get_process_group_ranks(g.process_group))
+                       for g in torch_ce.fsdp2._entry(m).groups][:1])
 
 
 def update(rank, world, seed, fam, param_dtype=None, path="load_state_dict", late=True) -> dict:
@@ -247,6 +286,22 @@ def refusals(rank, world, seed) -> dict:
     return out
 
 
+def hsdp(rank, world, seed) -> dict:
+    """HSDP (a 2-D mesh, ``replicate`` x ``shard``): FSDP2 gathers over the shard dim, so
+    torch_ce binds each group over its shard pair and serves it there; the reduce-scatter
+    within the pair runs on the protocol, the all-reduce across pairs stays FSDP2's."""
+    quiet_warnings()
+    torch.set_num_threads(1)
+    return {
+        "infer/llama3": infer(rank, world, seed, "llama3", late=True, hsdp=True),
+        "infer/dit/bf16": infer(rank, world, seed, "dit", torch.bfloat16, hsdp=True),
+        "train/llama3/fp32/ce_rs": train(rank, world, seed, "llama3", reduce_scatter="copy_engine",
+                                         late=True, hsdp=True),
+        "train/qwen3/bf16/ce_rs": train(rank, world, seed, "qwen3", torch.bfloat16,
+                                        reduce_scatter="copy_engine", hsdp=True),
+    }
+
+
 def _rank_all(rank, world, seed, cache_dir):
     from mp_harness import setup_compile
 
@@ -270,6 +325,9 @@ def _rank_all(rank, world, seed, cache_dir):
     run("train/qwen3/bf16", train, "qwen3", torch.bfloat16)
     run("train/dit/fp32", train, "dit")
     run("train/dit/bf16", train, "dit", torch.bfloat16)
+    for fam, dt in TRAIN_CE_RS:  # gathers and reduce-scatters on the copy engines
+        run(f"train/{fam}/{_dt(dt)}/ce_rs", train, fam, dt, reduce_scatter="copy_engine",
+            late=fam == "llama3" and dt is None)
     run("update/llama3/load_state_dict", update, "llama3")
     run("update/dit/bf16/copy_", update, "dit", torch.bfloat16, path="copy_", late=False)
     run("timeout", timeout)
@@ -296,14 +354,34 @@ def test_inference_equals_fsdp2(results, case):
         assert r["how"] == (["cast slot (bfloat16)"] if "bf16" in case else ["in place"]), (rank, r)
 
 
-@pytest.mark.parametrize("case", ["train/llama3/fp32", "train/qwen3/bf16", "train/dit/fp32", "train/dit/bf16"])
+CE_RS_CASES = [f"train/{f}/{_dt(dt)}/ce_rs" for f, dt in TRAIN_CE_RS]
+
+
+@pytest.mark.parametrize("case", ["train/llama3/fp32", "train/qwen3/bf16", "train/dit/fp32", "train/dit/bf16",
+                                  *CE_RS_CASES])
 def test_training_losses_bit_identical(results, case):
     for rank, res in enumerate(results):
         r = res[case]
         assert r["losses"]["torch_ce"] == r["losses"]["fsdp2"], (rank, r["losses"])
         assert r["statuses"] == ["bound"] and r["share"] == 1.0, (rank, r)
         assert r["how"] == ["staged (training)"] and r["calls"] >= 5, (rank, r)
+        check_explained(r, case.endswith("/ce_rs"), rank)
     assert results[0][case]["losses"]["fsdp2"] != results[1][case]["losses"]["fsdp2"]  # each rank its data
+
+
+def check_explained(r: dict, ce_rs: bool, rank: int) -> None:
+    """explain() of a training run: 100% of the gathered bytes on the copy engines and,
+    with the copy-engine reduce-scatter, every group's row saying so and every reduced
+    byte of the run on it (none on the collective); without it, none on the protocol."""
+    assert "fsdp2 coverage: 100.0% of" in r["table"], (rank, r["table"])
+    if not ce_rs:
+        assert r["rs"] == [""] and not r["served"], (rank, r["rs"], r["served"])
+        return
+    assert r["rs"] == ["copy engine"], (rank, r["rs"], r["table"])
+    assert "reduce-scatter: copy engine" in r["table"], (rank, r["table"])
+    assert len(r["served"]) == r["table"].count("reduce-scatter: copy engine"), (rank, r["served"])
+    for name, (ce, coll, why) in r["served"].items():
+        assert ce > 0 and coll == 0, (rank, name, ce, coll, why)
 
 
 @pytest.mark.parametrize("case", ["update/llama3/load_state_dict", "update/dit/bf16/copy_"])
@@ -355,3 +433,21 @@ def test_integer_reshard_after_forward_is_refused():
                offload_policy=None, _use_post_forward_mesh=True, _all_gather_comm=DefaultAllGather())
     g = groups.judge("layers.0", None, None, pg, 1, "auto")
     assert "integer reshard_after_forward" in g.reason and not g.mode
+
+
+@pytest.mark.slow  # world 4 on 2 cores
+def test_hsdp_2x2_serves_the_shard_dim():
+    out = run_ranks(hsdp, 4, seed_base(), timeout=300)
+    for rank, res in enumerate(out):
+        for case in ("infer/llama3", "infer/dit/bf16"):
+            r = res[case]
+            assert r["equal"] == [True, True], (rank, case, r)
+            assert r["statuses"] == ["bound"] and r["share"] == 1.0, (rank, case, r)
+        for case in ("train/llama3/fp32/ce_rs", "train/qwen3/bf16/ce_rs"):
+            r = res[case]
+            assert r["losses"]["torch_ce"] == r["losses"]["fsdp2"], (rank, case, r["losses"])
+            assert r["statuses"] == ["bound"] and r["calls"] >= 5, (rank, case, r)
+            assert r["ranks"] == [[0, 1] if rank < 2 else [2, 3]], (rank, r["ranks"])  # the shard pair
+            check_explained(r, True, rank)
+    # each replica its data: the all-reduce across pairs had something to do
+    assert out[0]["train/llama3/fp32/ce_rs"]["losses"]["fsdp2"] != out[2]["train/llama3/fp32/ce_rs"]["losses"]["fsdp2"]

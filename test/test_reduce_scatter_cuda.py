@@ -33,6 +33,13 @@ waits need):
   (NaN outputs) and its next call raises naming the bucket; the late rank's stream is
   released at its peer's abort and its next call raises too; then fresh calls are exact.
 
+The loopback tests run twice: on the Python launch and completion, and with
+``config.rs_native`` on the C++ ones with the fused reduction kernel (NOTE [native
+reduce-scatter path] in csrc/ce_ops.cu; skipped where the library lacks them).
+``test_native_runs_one_reduction_kernel`` profiles a native call: the pushes' memcpys, and
+exactly one kernel per rank and call, the reduction (``reduce_kernel``: the CUDA one, or
+the Triton one in a library built without nvcc).
+
 Skipped without a GPU or without the built C++ library (the stream flag ops are there).
 Run: ``python3 -m pytest -q test/test_reduce_scatter_cuda.py``.
 """
@@ -50,13 +57,31 @@ from cuda_helpers import loopback_reduce_scatter, loopback_workspaces, needs_gpu
 pytestmark = needs_gpu_and_kernels
 
 
+@pytest.fixture(params=[False, True], ids=["python", "native"])
+def rs_native(request):
+    """Each loopback test on the Python path and on the native one (config.rs_native)."""
+    import torch_ce
+    from torch_ce.runtime import native
+
+    if request.param and not native.has_rs_native():
+        pytest.skip("the library has no native reduce-scatter (rebuild csrc/)")
+    with torch_ce.config.patch(rs_native=request.param):
+        yield request.param
+
+
 def _documented(xs_by_rank: list, r: int, w: int, op: str) -> list:
-    """Rank r's outputs by the documented order: chunk r summed over group index order."""
+    """Rank r's outputs by the documented order: chunk r summed over group index order
+    (premul_sum: each chunk times the factor first)."""
+    from torch_ce.runtime.reduce_scatter import premul_factor
+
+    factor = premul_factor(op)
     outs = []
     for k in range(len(xs_by_rank[0])):
         acc = None
         for j in range(w):
             c = xs_by_rank[j][k].chunk(w)[r].float()
+            if factor is not None:
+                c = c * factor
             acc = c.clone() if acc is None else acc.add_(c)
         if op == "avg":
             acc = acc / w
@@ -73,13 +98,14 @@ def _inputs(w, dtype, gen, coalesced, rows=6):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_loopback_exact(world):
+def test_loopback_exact(world, rs_native):
     gen = torch.Generator(device="cuda").manual_seed(11 + world)
     for dtype in (torch.float32, torch.bfloat16):
         wss = loopback_workspaces(world, 4096, dtype)
         start = [ws.flags.clone() for ws in wss]
         for call in range(10):
             op = "avg" if call % 3 == 2 else "sum"
+            op = "premul_sum(0.125)" if call == 7 else op
             xs = _inputs(world, dtype, gen, coalesced=call % 2 == 1)
             # Odd calls (the coalesced ones) through the outputs' wait_tensor, as in a graph.
             outs = loopback_reduce_scatter(wss, xs, op, f"call {call}", via_wait_tensor=call % 2 == 1)
@@ -94,7 +120,7 @@ def test_loopback_exact(world):
             assert torch.equal(ws.flags, f), (ws.flags, f)  # every flag back where it began
 
 
-def test_capture_and_replays():
+def test_capture_and_replays(rs_native):
     w, dtype = 2, torch.float32
     gen = torch.Generator(device="cuda").manual_seed(5)
     wss = loopback_workspaces(w, 4096, dtype)
@@ -116,7 +142,7 @@ def test_capture_and_replays():
                 assert torch.equal(o, e), (k, r)
 
 
-def test_profile_has_no_transport_kernel():
+def test_profile_has_no_transport_kernel(rs_native):
     from torch.profiler import ProfilerActivity, profile
 
     w = 2
@@ -136,8 +162,9 @@ def test_profile_has_no_transport_kernel():
         memcpys = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA
                    and "memcpy" in e.name.lower()]
         syncs = [e.name for e in events if "Synchronize" in e.name and e.name != "cudaDeviceSynchronize"]
-        # One add per rank (world 2: a + b), and for bf16 the fp32 accumulator's casts.
-        allowed = ("add", "copy", "elementwise", "vectorized", "unrolled")
+        # One add per rank (world 2: a + b), and for bf16 the fp32 accumulator's casts; native:
+        # the fused reduction alone.
+        allowed = ("reduce_kernel",) if rs_native else ("add", "copy", "elementwise", "vectorized", "unrolled")
         assert kernels and all(any(a in k.lower() for a in allowed) for k in kernels), kernels
         assert len(memcpys) >= w * (w - 1), memcpys  # the pushes: one memcpy per (rank, peer)
         assert not syncs, syncs
@@ -148,7 +175,8 @@ def test_one_hardware_queue():
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(here, os.path.basename(__file__)),
-           "-k", "loopback_exact or capture_and_replays or profile_has_no_transport_kernel or flag_order"]
+           "-k", "loopback_exact or capture_and_replays or profile_has_no_transport_kernel or flag_order "
+           "or native_runs_one_reduction_kernel"]
     t0 = time.monotonic()
     p = subprocess.run(cmd, env=env, cwd=here, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -156,7 +184,7 @@ def test_one_hardware_queue():
     print(f"one hardware queue: {p.stdout.strip().splitlines()[-1]} ({time.monotonic() - t0:.0f} s)")
 
 
-def test_flag_order_under_load():
+def test_flag_order_under_load(rs_native):
     mem_ops_v1, can_flush, wait_flags = torch.ops.torch_ce_native.stream_flags_info()
     assert wait_flags & 0x3 == 1  # EQ on the tag
     assert bool(wait_flags & (1 << 30)) == (can_flush == 1), (mem_ops_v1, can_flush, wait_flags)  # FLUSH iff supported
@@ -174,6 +202,43 @@ def test_flag_order_under_load():
             assert torch.equal(outs[r][0], xs[0][0].chunk(2)[r] + xs[1][0].chunk(2)[r]), (call, r)
 
 
+def test_native_runs_one_reduction_kernel():
+    """rs_native: a profiled call (every "rank" of the loopback) runs the pushes as
+    memcpys, the flags as stream memory operations, and exactly one kernel per rank, the
+    fused reduction; no host synchronisation. Worlds 2 and 3, fp32 and bf16, a coalesced
+    bucket (one kernel for all its members)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import torch_ce
+    from torch_ce.runtime import native
+
+    if not native.has_rs_native():
+        pytest.skip("the library has no native reduce-scatter (rebuild csrc/)")
+    gen = torch.Generator(device="cuda").manual_seed(19)
+    with torch_ce.config.patch(rs_native=True):
+        for w in (2, 3):
+            for dtype in (torch.float32, torch.bfloat16):
+                wss = loopback_workspaces(w, 1 << 16, dtype)
+                xs = _inputs(w, dtype, gen, coalesced=True, rows=64)
+                loopback_reduce_scatter(wss, xs)  # warm (the kernel's module loaded)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    outs = loopback_reduce_scatter(wss, xs)
+                    torch.cuda.synchronize()
+                for r in range(w):
+                    for o, e in zip(outs[r], _documented(xs, r, w, "sum"), strict=True):
+                        assert torch.equal(o, e), (w, dtype, r)
+                events = prof.events()
+                dev = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+                kernels = [n for n in dev if "memcpy" not in n.lower() and "memset" not in n.lower()
+                           and "stream" not in n.lower()]
+                memcpys = [n for n in dev if "memcpy" in n.lower()]
+                syncs = [e.name for e in events if "Synchronize" in e.name and e.name != "cudaDeviceSynchronize"]
+                assert len(kernels) == w and all("reduce_kernel" in k for k in kernels), (w, dtype, kernels)
+                assert len(memcpys) >= w * (w - 1) * 2, memcpys  # a memcpy per (rank, peer, member)
+                assert not syncs, syncs
+
+
 @pytest.mark.skipif(not os.environ.get("CE_TEST_DEAD_PEER"),
                     reason="run by test_dead_peer_releases_the_host, in a subprocess with a hard timeout")
 def test_dead_peer_child():
@@ -181,7 +246,7 @@ def test_dead_peer_child():
     from torch_ce.runtime import reduce_scatter as RS
     from torch_ce.runtime.rs_workspace import ReduceScatterError
 
-    torch_ce.config.update(rs_timeout_s=2.0)
+    torch_ce.config.update(rs_timeout_s=2.0, rs_native=os.environ.get("CE_TEST_RS_NATIVE") == "1")
     w, dtype = 2, torch.float32
     gen = torch.Generator(device="cuda").manual_seed(3)
     wss = loopback_workspaces(w, 1 << 16, dtype)
@@ -238,8 +303,13 @@ def test_dead_peer_child():
     "behind the blocked wait (one H200, torch 2.11: hung to the hard timeout); releasing it needs "
     "flags the host can store to (host-mapped memory), not built yet; until then the op keeps the "
     "collective under one queue (rs_workspace.one_queue_refusal)"))])
-def test_dead_peer_releases_the_host(connections):
-    env = dict(os.environ, CE_TEST_DEAD_PEER="1")
+@pytest.mark.parametrize("path", ["python", "native"])
+def test_dead_peer_releases_the_host(connections, path):
+    from torch_ce.runtime import native
+
+    if path == "native" and not native.has_rs_native():
+        pytest.skip("the library has no native reduce-scatter (rebuild csrc/)")
+    env = dict(os.environ, CE_TEST_DEAD_PEER="1", CE_TEST_RS_NATIVE="1" if path == "native" else "0")
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     if connections == "1":
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"

@@ -15,7 +15,8 @@ from typing import Any, Iterator
 # Fields that change what a bind or a calibration does at run time, never the compiled
 # graph: left out of the compile-cache key.
 RUN_TIME_ONLY = ("cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "cuda_torch_fallback",
-                 "shm_prefix", "rs_workspace_cap_mib", "rs_timeout_s", "eager_gathers")
+                 "shm_prefix", "rs_workspace_cap_mib", "rs_timeout_s", "eager_gathers",
+                 "rs_native")
 TRANSPORTS = ("nccl", "copy_engine")
 REDUCE_SCATTERS = ("collective", "copy_engine")
 _SHM_PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
@@ -97,6 +98,10 @@ class Config:
     # a workspace round's waits. A failure ends that pool's generation only: the next call
     # opens a new one.
     rs_timeout_s: float = 300.0
+    # CUDA reduce-scatters launched and completed by the C++ library, with one fused
+    # reduction kernel per call (NOTE [native reduce-scatter path] in csrc/ce_ops.cu), where
+    # it has them; off: the Python launch and completion. Default off: on once verified on a GPU.
+    rs_native: bool = False
     # Gathers outside compiled graphs (SimpleFSDP's parametrization run eagerly: a graph
     # break, activation checkpointing's re-run in backward, an eager evaluation) read
     # windows too, with the transport "copy_engine" (NOTE [eager gathers] in

@@ -376,12 +376,17 @@ _lib.define("ce_reduce_scatter_coalesced(Tensor[] inputs, str reduce_op, int gro
 _private = torch.library.Library("torch_ce", "DEF")
 _private.define("gather_python(Tensor[] shards, int group_size, str group_name) -> Tensor[]")
 _private.define("gather_dim_python(Tensor shard, int group_size, str group_name, int gather_dim) -> Tensor")
+# The native reduce-scatter's reduction without the CUDA kernel (a library built without
+# nvcc: NOTE [native reduce-scatter path] in csrc/ce_ops.cu calls it).
+_private.define("rs_reduce_fallback(Tensor[] owns, Tensor(a!)[] outs, Tensor recv_half, int index, int[] offs, "
+                "int op, float factor) -> ()")
 
 _native = native.load()
 W.on_release(native.clear)
 W.on_release(RS.release)
 for _key in ("CPU", "CUDA"):
     _private.impl("gather_python", gather, _key)
+    _private.impl("rs_reduce_fallback", RS.reduce_fallback, _key)
     _private.impl("gather_dim_python", ce_all_gather_dim, _key)
     _lib.impl("ce_bind", ce_bind, _key)
     _lib.impl("ce_prefetch", ce_prefetch, _key)

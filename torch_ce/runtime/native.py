@@ -366,3 +366,54 @@ def host_write_words(addr: int, value: int, count: int, width: int, method: int)
     Returns the CUresult."""
     return int(torch.ops.torch_ce_native.host_write_words(int(addr), int(value), int(count), int(width),
                                                           int(method)))
+
+
+# NOTE [native reduce-scatter path] in csrc/ce_ops.cu: the reduce-scatter's launch and
+# completion in C++ (``config.rs_native``); runtime/reduce_scatter.py decides when.
+RS_OPS = {"sum": 0, "avg": 1}
+RS_PREMUL = 2
+
+
+def has_rs_native() -> bool:
+    """Whether the loaded library has the native reduce-scatter launch and completion."""
+    return load() and hasattr(torch.ops.torch_ce_native, "rs_launch")
+
+
+def rs_has_kernel() -> bool:
+    """Whether it has the CUDA reduction kernel (an nvcc build); else its completion calls
+    ``torch_ce::rs_reduce_fallback`` (the Triton kernel, runtime/reduce_triton.py)."""
+    return has_rs_native() and bool(torch.ops.torch_ce_native.rs_has_kernel())
+
+
+def rs_workspace(addrs: list[int], world: int, index: int, cap: int, dtype: torch.dtype, device: int,
+                 copy_stream: int, reduce_stream: int):
+    """The C++ view of a workspace: its address tables (NOTE [native reduce-scatter path])."""
+    return torch.ops.torch_ce_native.rs_workspace([int(a) for a in addrs], int(world), int(index), int(cap),
+                                                  dtype, int(device), int(copy_stream), int(reduce_stream))
+
+
+def rs_launch(ws, inputs, outs, half: int, seq: int, numel: int, tag: int, op: int, factor: float,
+              register_work: bool):
+    """Step 1 of a call in C++: (the call's C++ handle, its outputs)."""
+    return torch.ops.torch_ce_native.rs_launch(ws, inputs, outs, half, seq, numel, tag, op, factor,
+                                               register_work)
+
+
+def rs_complete(call, wait_current: bool) -> None:
+    """Steps 2-4 in C++, once; ``wait_current``: the current stream then waits for them."""
+    torch.ops.torch_ce_native.rs_complete(call, wait_current)
+
+
+def rs_stream_wait(call, stream: int) -> None:
+    """The stream (a ``cuda_stream`` integer) waits for the call's completion (enqueued first)."""
+    torch.ops.torch_ce_native.rs_stream_wait(call, int(stream))
+
+
+def rs_query(call) -> int:
+    """0 launched, 1 completion being enqueued, 2 its done event recorded, 3 done."""
+    return int(torch.ops.torch_ce_native.rs_query(call))
+
+
+def rs_register(call) -> None:
+    """The call's c10d work on its outputs (their ``wait_tensor`` completes it)."""
+    torch.ops.torch_ce_native.rs_register(call)

@@ -240,6 +240,8 @@ class Call:
     completed: bool = False
     recorded: bool = False  # CUDA: ``done`` recorded (the watchdog watches the call from before)
     waits: list = dataclasses.field(default_factory=list)  # CUDA: (kind, half, peer, value) enqueued
+    native: object = None  # rs_native: the C++ call (NOTE [native reduce-scatter path]); ``done`` then a _NativeDone
+    registered: bool = False  # rs_native: its c10d work is on its outputs
 
 
 _pending: dict[tuple, dict[int, Call]] = {}  # (pool key, generation) -> half -> its call owed a completion
@@ -256,10 +258,13 @@ _STREAMS = RW.STREAMS
 
 
 def launch(ws: RW.Workspace, inputs: Sequence[torch.Tensor], reduce_op: str, name: str,
-           sig: tuple | None = None, outs: Sequence[torch.Tensor] | None = None) -> Call:
+           sig: tuple | None = None, outs: Sequence[torch.Tensor] | None = None,
+           register: bool = False) -> Call:
     """Step 1 (module NOTE), and the outputs allocated (or ``outs``, contiguous, one per
     input: FSDP2's own); a half still owed a completion by this rank is completed first. A pool whose last call failed raises (its error) and
-    is dropped: the next call opens a new generation."""
+    is dropped: the next call opens a new generation. On CUDA under ``config.rs_native``
+    (and a library that has it) the C++ launch runs it (NOTE [native reduce-scatter path]
+    in csrc/ce_ops.cu); ``register``: it also puts the call's work on the outputs."""
     if ws.failed:
         RW.drop(ws)
         raise ReduceScatterError(ws.failed)
@@ -271,6 +276,8 @@ def launch(ws: RW.Workspace, inputs: Sequence[torch.Tensor], reduce_op: str, nam
     h = ws.calls % 2
     ws.calls += 1
     numel, sig_text = sig or RW.signature(inputs, reduce_op, w)
+    if inputs[0].is_cuda and _native():
+        return _launch_native(ws, inputs, reduce_op, name, numel, sig_text, outs, register, pkey, h)
     flat = [x.contiguous().view(-1) for x in inputs]
     ns = [f.numel() // w for f in flat]
     if outs is None:
@@ -304,9 +311,10 @@ def launch(ws: RW.Workspace, inputs: Sequence[torch.Tensor], reduce_op: str, nam
     return call
 
 
-def complete(call: Call) -> None:
+def complete(call: Call, wait_current: bool = False) -> None:
     """Steps 2-4 (module NOTE); on CUDA enqueued on the reduce stream, its event in
-    ``call.done``. Idempotent."""
+    ``call.done``. Idempotent. ``wait_current`` (native calls only): the current stream
+    then waits for it, in the same C++ call."""
     if call.completed:
         return
     call.completed = True
@@ -314,6 +322,11 @@ def complete(call: Call) -> None:
     pend = _pending.get((ws.key, ws.gen), {})
     if pend.get(h) is call:
         del pend[h]
+    if call.native is not None:  # the C++ completion (idempotent: its work's wait may have run it)
+        from . import native
+
+        native.rs_complete(call.native, wait_current)
+        return
     cuda = call.outs[0].is_cuda
     T = _Cuda if cuda else _Host
     if cuda:
@@ -368,6 +381,126 @@ def _reduce(srcs: list, out: torch.Tensor, reduce_op: str, w: int) -> None:
     out.copy_(acc)
 
 
+# ---------------------------------------------------------------------------------------
+# rs_native: the launch and completion in C++ (NOTE [native reduce-scatter path] in
+# csrc/ce_ops.cu); Python keeps the half, the sequence number, the tag, the owed
+# completion and the watchdog
+# ---------------------------------------------------------------------------------------
+
+def _native() -> bool:
+    """The C++ launch and completion serve CUDA calls now (same build and config on every
+    rank: every rank takes the same path; both paths speak the same protocol anyway)."""
+    from ..config import config
+    from . import native
+
+    return bool(config.rs_native) and native.has_rs_native()
+
+
+_OP_CODES: dict = {}
+
+
+def _op_code(reduce_op: str) -> tuple[int, float]:
+    code = _OP_CODES.get(reduce_op)
+    if code is None:
+        from . import native
+
+        factor = premul_factor(reduce_op)
+        code = (native.RS_PREMUL, factor) if factor is not None else (native.RS_OPS[reduce_op], 1.0)
+        _OP_CODES[reduce_op] = code
+    return code
+
+
+def _native_workspace(ws: RW.Workspace):
+    """Once per workspace: every address the C++ launch and completion touch, as plain
+    integers (the same words ``_Cuda`` reads and writes), and the copy and reduce streams."""
+    from . import native
+
+    w, i = ws.group_size, ws.index
+    if ws.recv.stride() != (w * ws.cap, ws.cap, 1):  # the kernel finds sender j's slice by stride
+        raise ReduceScatterError(f"torch_ce: rs_native: a receive workspace of strides {ws.recv.stride()}, "
+                                 f"expected {(w * ws.cap, ws.cap, 1)}")
+    halves = (0, 1)
+
+    def table(f):
+        return [0 if f(h, j) is None else int(f(h, j).data_ptr()) for h in halves for j in range(w)]
+
+    peer = lambda t: (lambda h, j: None if j == i else t(h, j))  # noqa: E731
+    addrs = (table(lambda h, j: ws.flags[DATA, h, j]) + table(lambda h, j: ws.flags[FREE, h, j])
+             + table(peer(lambda h, j: ws.peer_flags[j][DATA, h, i]))
+             + table(peer(lambda h, j: ws.peer_flags[j][FREE, h, i]))
+             + table(peer(lambda h, j: ws.peer_head[j][h, i, 0]))
+             + table(peer(lambda h, j: ws.peer_head[j][h, i, 1]))
+             + table(peer(lambda h, j: ws.peer_recv[j][h, i]))
+             + table(lambda h, j: ws.recv[h, j]))
+    copy_stream, reduce_stream = _streams(ws.recv.device)
+    ws.native = native.rs_workspace(addrs, w, i, ws.cap, ws.dtype, ws.recv.device.index,
+                                    copy_stream.cuda_stream, reduce_stream.cuda_stream)
+    return ws.native
+
+
+class _NativeDone:
+    """A native call's done event, as much of a ``torch.cuda.Event`` as its users need:
+    ``query()`` (the watchdog), ``wait(stream)`` (``Stream.wait_event``)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def query(self) -> bool:
+        from . import native
+
+        return native.rs_query(self.handle) == 3
+
+    def wait(self, stream=None) -> None:
+        from . import native
+
+        stream = stream if stream is not None else torch.cuda.current_stream()
+        native.rs_stream_wait(self.handle, stream.cuda_stream)
+
+
+def _launch_native(ws, inputs, reduce_op, name, numel, sig_text, outs, register, pkey, h) -> Call:
+    from . import native
+
+    _prepare_watch(ws)  # before this call's waits: it allocates pinned memory
+    handle = ws.native if ws.native is not None else _native_workspace(ws)
+    seq = ws.calls
+    tag = RW.call_tag(seq, sig_text)
+    op, factor = _op_code(reduce_op)
+    cxx, outs = native.rs_launch(handle, inputs, [] if outs is None else outs, h, seq, numel, tag, op,
+                                 factor, register)
+    w, i = ws.group_size, ws.index
+    call = Call(ws, h, list(inputs), [], [], list(outs), reduce_op,
+                f"reduce-scatter {name} (call {seq} of generation {ws.gen} of group {list(ws.key[0])})",
+                name, numel * w * inputs[0].element_size(), seq=seq, numel=numel, tag=tag,
+                recorded=True, native=cxx, registered=register)
+    call.done = _NativeDone(cxx)
+    # What the C++ launch and completion wait for, in stream order (the watchdog names and
+    # releases them: NOTE [reduce-scatter watchdog]).
+    peers = [(i + k) % w for k in range(1, w)]
+    call.waits = [(FREE, h, j, 1) for j in peers] + [(DATA, h, j, tag) for j in peers]
+    _watch(call, started=False)
+    _pending.setdefault(pkey, {})[h] = call
+    return call
+
+
+def reduce_fallback(owns, outs, recv_half: torch.Tensor, index: int, offs, op: int, factor: float) -> None:
+    """``torch_ce::rs_reduce_fallback``: the native completion's reduction in a library
+    built without nvcc (the Triton kernel, runtime/reduce_triton.py; without Triton,
+    ``_reduce``), on the current stream (the C++ completion's reduce stream)."""
+    from . import reduce_triton
+
+    if owns and owns[0].is_cuda and reduce_triton.unavailable() is None:
+        reduce_triton.reduce(owns, outs, recv_half, index, offs, op, factor)
+        return
+    w = recv_half.shape[0]
+    reduce_op = {0: "sum", 1: "avg"}.get(op) or f"premul_sum({factor!r})"
+    for own, out, off in zip(owns, outs, offs, strict=True):
+        n = out.numel()
+        srcs = [own if j == index else recv_half[j, off:off + n] for j in range(w)]
+        _reduce(srcs, out.view(-1), reduce_op, w)
+
+
 class _nullcontext:
     def __enter__(self):
         return self
@@ -413,6 +546,13 @@ _live_works: dict[int, object] = {}  # keeps each Python Work alive until its wa
 
 
 def _register(call: Call) -> None:
+    if call.native is not None:  # the C++ work (rs_launch registers it when asked to)
+        if not call.registered:
+            from . import native
+
+            native.rs_register(call.native)
+            call.registered = True
+        return
     if not _WORK:
         _WORK.append(_work_class())
     work = _WORK[0](call)
@@ -465,13 +605,16 @@ _NAN = {torch.float32: (0x7FC00000, 4), torch.bfloat16: (0x7FC0, 2)}
 _FLAG_WRITE = 2
 
 
-def _watch(call: Call) -> None:
+def _watch(call: Call, started: bool = True) -> None:
+    """Watch ``call`` from now; ``started=False`` (a native call, at its launch): from when
+    the watchdog first sees its completion begun (the C++ stage 1, set before its first
+    wait is enqueued), which is when the Python path starts watching a call."""
     if torch.cuda.is_current_stream_capturing():
         return
     from ..config import config
 
     with _watch_lock:
-        _watched.append([time.monotonic() + float(config.rs_timeout_s), call])
+        _watched.append([time.monotonic() + float(config.rs_timeout_s) if started else None, call])
         if not _watcher or not _watcher[0].is_alive():
             t = threading.Thread(target=_watchdog, name="torch_ce_rs_watchdog", daemon=True)
             _watcher[:] = [t]
@@ -495,6 +638,8 @@ def _prepare_watch(ws: RW.Workspace) -> None:
 def _watchdog() -> None:
     """Runs while some completion is pending; ends when none is (``_watch`` starts it
     again) or at interpreter exit (no CUDA call may run during teardown)."""
+    from ..config import config
+
     next_abort = time.monotonic() + RW._ABORT_EVERY_S
     while not _stopping.wait(0.02):
         with _watch_lock:
@@ -506,6 +651,12 @@ def _watchdog() -> None:
             next_abort = now + RW._ABORT_EVERY_S
         for item in items:
             deadline, call = item
+            if deadline is None:  # a native call: watched from its completion on
+                started = _native_started(call)
+                if started is None:  # its completion not enqueued: not watched yet (a failed
+                    pending.append(item)  # pool's too: a later wait still gets released)
+                    continue
+                item[0] = deadline = now + float(config.rs_timeout_s)
             try:
                 if call.recorded and call.done.query():
                     continue
@@ -537,6 +688,17 @@ def _watchdog() -> None:
 
 
 _SIDE: dict = {}  # device index -> the watchdog's side stream (its reads)
+
+
+def _native_started(call: Call) -> bool | None:
+    """True once a native call's completion has begun (None: not yet; a failed query counts
+    as begun, so the deadline runs)."""
+    from . import native
+
+    try:
+        return True if native.rs_query(call.native) >= 1 else None
+    except Exception:  # noqa: BLE001
+        return True
 
 
 def _read_words(ws: RW.Workspace) -> tuple | None:
@@ -681,9 +843,11 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], reduce_op: str, group_size: i
         if outs is not None:
             res = [_FUNCTIONAL.wait_tensor(r) for r in res]
         return _into(outs, res)
-    call = launch(ws, inputs, reduce_op, name, sig, outs)
+    call = launch(ws, inputs, reduce_op, name, sig, outs, register=outs is None)
     if dev.type == "cpu":
         complete(call)
+    elif outs is not None and call.native is not None:
+        complete(call, wait_current=True)  # the C++ completion, and the current stream waits for it
     elif outs is not None:
         complete(call)
         torch.cuda.current_stream().wait_event(call.done)

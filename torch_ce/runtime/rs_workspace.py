@@ -105,6 +105,7 @@ class Workspace:
     gen: int = 0  # the generation: the number of the round that opened it (same on every rank)
     failed: str = ""  # why its last call failed (CUDA: set by the watchdog); the pool is then dead
     host_words: object = None  # CUDA: the watchdog's side stream and pinned copies of flags, head
+    native: object = None  # CUDA, rs_native: the C++ view of its addresses (reduce_scatter._native_workspace)
 
     @property
     def group_size(self) -> int:

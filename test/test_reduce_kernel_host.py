@@ -1,0 +1,250 @@
+"""The native reduce-scatter path's CPU-checkable parts (NOTE [native reduce-scatter path]
+in csrc/ce_ops.cu, NOTE [reduction kernel] in csrc/ce_reduce.cu): no GPU here.
+
+- ``test_triton_kernel_is_the_reference_in_fp32``: the Triton reduction
+  (runtime/reduce_triton.py) run by Triton's interpreter on CPU tensors equals
+  ``reduce_scatter._reduce`` bit for bit (sum and premul_sum at worlds 2, 3 and 4, members
+  at unaligned offsets; avg at world 2, and at world 3 against the sum times fp32(1/3),
+  what ``_reduce``'s ``div_`` computes on CUDA). Skipped without triton and numpy (the
+  interpreter needs numpy; the interpreter's bf16 cast truncates, so bf16 is the GPU
+  test's).
+- ``test_fallback_reduces_like_the_reference``: ``reduce_fallback`` (what the native
+  completion calls without the CUDA kernel) on CPU tensors: ``_reduce``'s numbers, the
+  premul factor carried exactly.
+- ``test_address_tables``: the integers ``_native_workspace`` hands to C++ are the words
+  the Python ``_Cuda`` path waits on and writes, table by table.
+- ``test_off_by_default``: ``rs_native`` is off and the CPU path never takes it.
+- ``test_watchdog_starts_a_native_calls_deadline_at_its_completion``: the watchdog's
+  deadline of a native call runs from its completion's start (the C++ stage), not its
+  launch; a done call leaves the watch.
+- ``test_rs_cost_dry_run``: bench/rs_cost.py's plan and table without a GPU.
+- ``test_no_kernel_in_the_host_compiled_source``: csrc/ce_ops.cu is also built by the
+  host C++ compiler: no ``__global__`` there.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sources(w, n_members, dtype, gen, index, cap=4096):
+    recv = torch.randn(w, cap, generator=gen).to(dtype)
+    ns = [1000, 333, 7][:n_members]
+    inputs = [torch.randn(w * n, generator=gen).to(dtype) for n in ns]
+    owns = [x[index * n:(index + 1) * n] for x, n in zip(inputs, ns, strict=True)]
+    offs, off = [], 0
+    for n in ns:
+        offs.append(off)
+        off += n
+    return recv, owns, offs
+
+
+def _reference(recv, owns, offs, index, reduce_op):
+    from torch_ce.runtime.reduce_scatter import _reduce
+
+    w = recv.shape[0]
+    outs = []
+    for own, off in zip(owns, offs, strict=True):
+        n = own.numel()
+        out = torch.empty_like(own)
+        _reduce([own if j == index else recv[j, off:off + n] for j in range(w)], out, reduce_op, w)
+        outs.append(out)
+    return outs
+
+
+_INTERPRET = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+sys.path.insert(0, sys.argv[1])
+from torch_ce.runtime import reduce_triton as RT
+from torch_ce.runtime.reduce_scatter import _reduce
+gen = torch.Generator().manual_seed(7)
+bad = []
+for w in (2, 3, 4):
+    for op, name in ((0, "sum"), (1, "avg"), (2, "premul_sum(0.1)")):
+        index = w - 2
+        recv = torch.randn(w, 4096, generator=gen)
+        ns = (1000, 333, 7)
+        inputs = [torch.randn(w * n, generator=gen) for n in ns]
+        owns = [x[index * n:(index + 1) * n] for x, n in zip(inputs, ns)]
+        offs = [0, 1000, 1333]
+        outs = [torch.empty(n) for n in ns]
+        RT.reduce(owns, outs, recv, index, offs, op, 0.1)
+        for own, off, out in zip(owns, offs, outs):
+            n = own.numel()
+            srcs = [own if j == index else recv[j, off:off + n] for j in range(w)]
+            ref = torch.empty(n)
+            if name == "avg":  # _reduce on CUDA: the sum times fp32(1 / W) (torch's div_ by a scalar)
+                _reduce(srcs, ref, "sum", w)
+                ref = ref * torch.tensor(1.0 / w, dtype=torch.float32)
+            else:
+                _reduce(srcs, ref, name, w)
+            if not torch.equal(ref, out):
+                bad.append((w, name, n, float((ref - out).abs().max())))
+print("BAD", bad)
+"""
+
+
+def test_triton_kernel_is_the_reference_in_fp32():
+    from torch_ce.runtime import reduce_triton
+
+    why = reduce_triton.unavailable()
+    if why is not None or importlib.util.find_spec("numpy") is None:
+        pytest.skip(f"Triton's interpreter needs triton and numpy ({why or 'numpy is not installed'})")
+    p = subprocess.run([sys.executable, "-c", _INTERPRET, ROOT], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "BAD []" in p.stdout, p.stdout[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 3])
+def test_fallback_reduces_like_the_reference(dtype, world):
+    from torch_ce.runtime import reduce_scatter as RS
+
+    gen = torch.Generator().manual_seed(3 + world)
+    for reduce_op in ("sum", "avg", "premul_sum(0.1)", "premul_sum(0.333333333333)"):
+        index = world - 1
+        recv, owns, offs = _sources(world, 3, dtype, gen, index)
+        op, factor = RS._op_code(reduce_op)
+        outs = [torch.empty_like(o) for o in owns]
+        RS.reduce_fallback(owns, outs, recv, index, offs, op, factor)
+        for o, e in zip(outs, _reference(recv, owns, offs, index, reduce_op), strict=True):
+            assert torch.equal(o, e), (reduce_op, dtype, world)
+    assert RS._op_code("avg") == (1, 1.0) and RS._op_code("premul_sum(0.25)") == (2, 0.25)
+
+
+def test_address_tables(monkeypatch):
+    from torch_ce.runtime import native
+    from torch_ce.runtime import reduce_scatter as RS
+    from torch_ce.runtime import rs_workspace as RW
+
+    w, cap = 3, 1024
+    recvs = [torch.zeros(2, w, cap) for _ in range(w)]
+    flags = [torch.zeros(2, 2, w, dtype=torch.int32) for _ in range(w)]
+    heads = [torch.zeros(2, w, 2, dtype=torch.int32) for _ in range(w)]
+    i = 1
+    ws = RW.Workspace((tuple(range(w)), "torch.float32", "cuda", "k", i), i, cap, torch.float32, recvs[i],
+                      flags[i], recvs, flags, [], "", head=heads[i], peer_head=heads)
+    got = {}
+    monkeypatch.setattr(native, "rs_workspace", lambda *a: got.setdefault("args", a) and "handle")
+
+    class _S:
+        cuda_stream = 0
+
+    monkeypatch.setattr(RS, "_streams", lambda device: (_S(), _S()))
+    assert RS._native_workspace(ws) == "handle" and ws.native == "handle"
+    addrs, world, index, c, dtype, device = got["args"][:6]
+    assert (world, index, c, dtype, device) == (w, i, cap, torch.float32, None)  # CPU tensors here
+    assert len(addrs) == 8 * 2 * w
+    DATA, FREE = RW.DATA, RW.FREE
+
+    def t(k, h, j):
+        return addrs[(k * 2 + h) * w + j]
+
+    for h in (0, 1):
+        for j in range(w):
+            assert t(0, h, j) == flags[i][DATA, h, j].data_ptr()  # waited on: the call's tag
+            assert t(1, h, j) == flags[i][FREE, h, j].data_ptr()  # waited on: 1
+            assert t(7, h, j) == recvs[i][h, j].data_ptr()  # reduced from
+            if j == i:
+                assert all(t(k, h, j) == 0 for k in range(2, 7))
+                continue
+            assert t(2, h, j) == flags[j][DATA, h, i].data_ptr()  # the tag, after the push
+            assert t(3, h, j) == flags[j][FREE, h, i].data_ptr()  # 1, after the reduction
+            assert t(4, h, j) == heads[j][h, i, 0].data_ptr()  # seq
+            assert t(5, h, j) == heads[j][h, i, 1].data_ptr()  # numel
+            assert t(6, h, j) == recvs[j][h, i].data_ptr()  # the push's destination
+
+
+def test_off_by_default():
+    import torch_ce
+    from torch_ce.runtime import native
+    from torch_ce.runtime import reduce_scatter as RS
+
+    assert torch_ce.config.rs_native is False
+    assert not RS._native()
+    with torch_ce.config.patch(rs_native=True):
+        assert RS._native() == native.has_rs_native()  # a CPU torch: never
+
+
+def test_no_kernel_in_the_host_compiled_source():
+    with open(os.path.join(ROOT, "csrc", "ce_ops.cu")) as f:
+        src = f.read()
+    assert "__global__" not in src and "<<<" not in src
+    with open(os.path.join(ROOT, "csrc", "ce_reduce.h")) as f:
+        assert "__global__" not in f.read()
+
+
+def _rs_cost():
+    spec = importlib.util.spec_from_file_location("rs_cost", os.path.join(ROOT, "bench", "rs_cost.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rs_cost_dry_run(tmp_path):
+    """bench/rs_cost.py without a GPU: its plan (worlds x dtypes x sizes), written as JSON,
+    and its table of a result with a path missing (a library without rs_native)."""
+    import json
+
+    mod = _rs_cost()
+    out = mod.main(["--dry-run", "--out", str(tmp_path)])
+    got = json.loads((tmp_path / "rs_cost.json").read_text())
+    assert got == json.loads(json.dumps(out)) and got["dry_run"]
+    assert {(r["world"], r["dtype"], r["mib"]) for r in got["rows"]} == {
+        (w, d, m) for w in (2, 3) for d in ("float32", "bfloat16") for m in (1.0, 16.0, 64.0)}
+    assert got["paths"] == ["functional", "python", "native"]
+    row = dict(world=2, dtype="float32", mib=1.0, functional=dict(host_us_per_rank_call=30.0),
+               python=dict(host_us_per_rank_call=300.0), native=None, copy_GBps=3000.0)
+    text = mod.table(dict(rows=[row]))
+    assert "300.0" in text and "30.0" in text and text.count("\n") == 1
+    with pytest.raises(SystemExit):
+        mod.parse(["--dtypes", "float16"])
+
+
+def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):
+    """A native call is watched from its launch, but its deadline runs only from when the
+    C++ stage says its completion began (when the Python path would start watching it):
+    a call launched long before its wait is not released for the time before; one whose
+    completion then stalls past ``rs_timeout_s`` is (``_release``), and a done one leaves
+    the watch."""
+    import types
+
+    import torch_ce
+    from torch_ce.runtime import native
+    from torch_ce.runtime import reduce_scatter as RS
+
+    stage = {"a": 0, "b": 0}
+    released = []
+    monkeypatch.setattr(native, "rs_query", lambda h: stage[h])
+    monkeypatch.setattr(RS, "_release", lambda call, why: released.append((call.native, why, time.monotonic())))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    ws = types.SimpleNamespace(failed="", key=((0, 1),), gen=1)
+    calls = {}
+    for h in ("a", "b"):
+        calls[h] = RS.Call(ws, 0, [], [], [], [], "sum", h, h, 0, recorded=True, native=h)
+        calls[h].done = RS._NativeDone(h)
+    with torch_ce.config.patch(rs_timeout_s=0.3):
+        for c in calls.values():
+            RS._watch(c, started=False)
+        time.sleep(0.6)  # longer than the timeout, completions not begun: nothing released
+        assert released == []
+        stage["a"], stage["b"] = 1, 3  # a: completion begun; b: done
+        t0 = time.monotonic()
+        deadline = t0 + 3.0
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert [r[0] for r in released] == ["a"] and released[0][1] == "timeout", released
+    assert released[0][2] - t0 >= 0.25, released[0][2] - t0  # from its start, not its launch
+    with RS._watch_lock:
+        assert not any(item[1] is calls["b"] for item in RS._watched)
+    RS.release()
