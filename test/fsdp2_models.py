@@ -102,10 +102,8 @@ def build(family: str, mesh, seed: int, *, param_dtype=None, train: bool, compil
         net.requires_grad_(False)
     if family == "dit":
         return shard_dit(net, mesh, param_dtype)
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
-
     # Blocks, embeddings, norm + head, and the root, as torchtitan's trainer shards them.
-    apply_fsdp_to_decoder(net, mesh, param_dtype or torch.float32, torch.float32, pp_enabled=False)
+    _apply_fsdp_to_decoder(net, mesh, param_dtype or torch.float32, torch.float32)
     # Its gradient divide factor 1.0 reduces with PREMUL_SUM, which gloo lacks: SUM (the
     # same sums: no division either way).
     from torch.distributed.fsdp import FSDPModule
@@ -114,6 +112,33 @@ def build(family: str, mesh, seed: int, *, param_dtype=None, train: bool, compil
         if isinstance(mod, FSDPModule):
             mod.set_force_sum_reduction_for_comms(True)
     return net
+
+
+def _apply_fsdp_to_decoder(net, mesh, param_dtype, reduce_dtype) -> None:
+    """torchtitan's ``apply_fsdp_to_decoder`` (dense decoders, no PP); where torchtitan's
+    module does not import (torch 2.11 lacks the ``DataParallelMeshDims`` it imports), the
+    same units by hand: the embeddings, norm + head (not resharded after forward), each
+    block, the root; gradient division off (its divide factor 1.0)."""
+    try:
+        from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    except ImportError:
+        apply_fsdp_to_decoder = None
+    if apply_fsdp_to_decoder is not None:
+        apply_fsdp_to_decoder(net, mesh, param_dtype, reduce_dtype, pp_enabled=False)
+        return
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                                        cast_forward_inputs=False))
+    assert not getattr(net, "enable_weight_tying", False)
+    fully_shard(net.tok_embeddings, reshard_after_forward=True, **kw)
+    fully_shard([net.norm, net.lm_head], reshard_after_forward=False, **kw)
+    for block in net.layers.values():
+        fully_shard(block, reshard_after_forward=True, **kw)
+    fully_shard(net, **kw)
+    for m in net.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
 
 
 def premul_reference(net) -> None:
