@@ -57,10 +57,15 @@ def _divide_factor(module) -> float | None:
         return None
 
 
-def _comm_base():
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import ReduceScatter
+_COMM_CLASS: list = []  # the comm class, made once (FSDP2's ReduceScatter base is imported lazily)
 
-    return ReduceScatter
+
+def _comm_class():
+    if not _COMM_CLASS:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import ReduceScatter
+
+        _COMM_CLASS.append(type("CopyEngineReduceScatter", (_Comm, ReduceScatter), {}))
+    return _COMM_CLASS[0]
 
 
 class _Comm:
@@ -105,9 +110,7 @@ def install(module, group: dist.ProcessGroup | None = None, reason_sink=None,
     one param group). ``group`` is FSDP2's own (it passes it at every call)."""
     del group
     name = name or type(module).__name__
-    base = _comm_base()
-    comm_cls = type("CopyEngineReduceScatter", (_Comm, base), {})
-    comm = comm_cls(f"fsdp2 {name}", module)
+    comm = _comm_class()(f"fsdp2 {name}", module)
     try:
         module.set_custom_reduce_scatter(comm)
     except (ValueError, AttributeError, AssertionError) as e:
