@@ -202,7 +202,8 @@ def stale(rank, world, seed) -> dict:
 
 def timeout(rank, world, seed) -> dict:
     """A peer that never runs the gather: a StepWordTimeout within the bound, naming it; the
-    group refuses every later call (no hang, no stale read)."""
+    group refuses every later call (no hang, no stale read); after disable() and enable()
+    on every rank the next forward is exact."""
     import fsdp2_models as M
     import torch_ce
 
@@ -210,16 +211,24 @@ def timeout(rank, world, seed) -> dict:
     m = M.build("dit", mesh, seed, train=True)
     torch_ce.fsdp2.enable(m, timeout_s=1.5)
     inp = M.dit_inputs(seed + rank)
-    if rank == 1:  # never arrives
-        return {}
     errors = []
-    for _ in range(2):
-        t0 = time.monotonic()
-        try:
-            m(*inp)
-        except Exception as e:  # noqa: BLE001 (reported to the test)
-            errors.append((type(e).__name__, str(e), time.monotonic() - t0))
-    return dict(errors=errors)
+    if rank == 0:  # rank 1 never arrives
+        for _ in range(2):
+            t0 = time.monotonic()
+            try:
+                m(*inp)
+            except Exception as e:  # noqa: BLE001 (reported to the test)
+                errors.append((type(e).__name__, str(e), time.monotonic() - t0))
+    # Recovery: every rank disables and enables again; the next forward is exact.
+    import torch.distributed as dist
+
+    dist.barrier()
+    torch_ce.fsdp2.disable(m)
+    torch_ce.fsdp2.enable(m, timeout_s=30.0)
+    ref = M.build("dit", mesh, seed, train=True)
+    with torch.no_grad():
+        got, want = m(*inp), ref(*inp)
+    return dict(errors=errors, recovered=bool(torch.equal(got, want)))
 
 
 class _OwnGather:
@@ -408,6 +417,7 @@ def test_a_peer_that_never_arrives_is_an_error_not_a_hang(results):
     assert first == "StepWordTimeout" and "rank 1 did not stage the chunk of gather 1" in why, why
     assert 1.5 <= waited < 10, waited
     assert "an earlier gather failed on this rank" in why2, why2
+    assert all(r["timeout"]["recovered"] for r in results), [r["timeout"] for r in results]
 
 
 def has_per_param_meshes() -> bool:
