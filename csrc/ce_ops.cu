@@ -61,6 +61,7 @@
 
 #include <atomic>
 #include <memory>
+#include <chrono>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -358,6 +359,59 @@ std::vector<at::Tensor> gather_slots(
     c10d::register_work(out, work);
   }
   return outs;
+}
+
+// FSDP2's all-gather hook (torch_ce/fsdp2/comm.py): the peers' chunks copied into the
+// output FSDP2 allocated, row ``rows[i]`` of ``out`` (viewed as [world, chunk]) from
+// ``srcs[i]``, on the peer copy stream, after the current stream (FSDP2's all-gather
+// stream, whose copy-in precedes) and before anything it enqueues next. One host call
+// where Python's stream switches and event waits cost a few microseconds each.
+void peer_copy_into(const at::Tensor& out, at::TensorList srcs, at::IntArrayRef rows) {
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous(), "torch_ce: peer_copy_into: a contiguous CUDA output");
+  TORCH_CHECK(srcs.size() == rows.size(), "torch_ce: peer_copy_into: one row per source");
+  if (srcs.empty()) return;
+  const int device = out.device().index();
+  const c10::cuda::CUDAGuard guard(out.device());
+  const auto cur = c10::cuda::getCurrentCUDAStream(device);
+  const DeviceStreams ds = streams_for(device);
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  CE_CUDA_CHECK(cudaStreamIsCapturing(cur.stream(), &cap), "cudaStreamIsCapturing");
+  const bool capturing = cap != cudaStreamCaptureStatusNone;
+  const size_t esize = out.element_size();
+  std::vector<void*> dst;
+  std::vector<const void*> src;
+  std::vector<size_t> size;
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    const at::Tensor& x = srcs[i];
+    const size_t nbytes = static_cast<size_t>(x.numel()) * x.element_size();
+    TORCH_CHECK(x.is_contiguous() && x.scalar_type() == out.scalar_type(),
+                "torch_ce: peer_copy_into: sources are contiguous, of the output's dtype");
+    TORCH_CHECK(rows[i] >= 0 && static_cast<size_t>(rows[i] + 1) * nbytes <= out.numel() * esize,
+                "torch_ce: peer_copy_into: row ", rows[i], " is outside the output");
+    dst.push_back(static_cast<char*>(out.data_ptr()) + rows[i] * nbytes);
+    src.push_back(x.data_ptr());
+    size.push_back(nbytes);
+  }
+  cudaEvent_t ready = take_event(device);
+  CE_CUDA_CHECK(cudaEventRecord(ready, cur.stream()), "cudaEventRecord");
+  CE_CUDA_CHECK(cudaStreamWaitEvent(ds.peer, ready, 0), "cudaStreamWaitEvent");
+  give_event(device, ready);
+  if (!capturing && batch_ok()) {
+    CE_CUDA_CHECK(torch_ce_copy::batch(dst.data(), src.data(), size.data(), dst.size(),
+                                       /*prefer_overlap=*/true, ds.peer),
+                  "cudaMemcpyBatchAsync");
+  } else {
+    size_t failed = 0;
+    CE_CUDA_CHECK(torch_ce_copy::per_copy(dst.data(), src.data(), size.data(), dst.size(), ds.peer, &failed),
+                  "cudaMemcpyAsync");
+  }
+  cudaEvent_t done = take_event(device);
+  CE_CUDA_CHECK(cudaEventRecord(done, ds.peer), "cudaEventRecord");
+  CE_CUDA_CHECK(cudaStreamWaitEvent(cur.stream(), done, 0), "cudaStreamWaitEvent");
+  give_event(device, done);
+  if (!capturing)  // the output stays out of other hands while the copies may write it
+    c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(),
+                                                  c10::cuda::getStreamFromExternal(ds.peer, device));
 }
 
 std::vector<at::Tensor> ce_all_gather_coalesced_cuda(
@@ -890,6 +944,34 @@ int64_t host_write_words(int64_t addr, int64_t value, int64_t count, int64_t wid
 // The stage moves to 1 before the first wait of the completion is enqueued, so a
 // host thread that then blocks (lazy module loading behind a blocked wait) is
 // released by the watchdog as on the Python path.
+// Host-time probe of the native reduce-scatter's pieces, seconds per piece (bench/compare/
+// rs_host_breakdown.py reads it): off unless rs_timing(1) turned it on; one relaxed load
+// per piece when off.
+std::atomic<bool> g_rs_timing{false};
+double g_rs_t[12] = {};
+inline double rs_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+inline void rs_mark(int piece, double& t0) {
+  if (!g_rs_timing.load(std::memory_order_relaxed)) return;
+  const double t1 = rs_now();
+  g_rs_t[piece] += t1 - t0;
+  t0 = t1;
+}
+// mode 0: read; 1: reset and on; 2: off. Returns the seconds per piece: launch (setup and
+// outputs, ready event, free waits and resets, memcpys, header and tag writes, pushed
+// event, work registration), completion (pushed event wait, data waits and resets, the
+// reduction's launch, free writes, done event and the current stream's wait).
+std::vector<double> rs_timing(int64_t mode) {
+  if (mode == 1) {
+    for (double& v : g_rs_t) v = 0.0;
+    g_rs_timing.store(true);
+  } else if (mode == 2) {
+    g_rs_timing.store(false);
+  }
+  return std::vector<double>(std::begin(g_rs_t), std::end(g_rs_t));
+}
+
 using StreamWaitFn = int (*)(cudaStream_t, unsigned long long, unsigned int, unsigned int);
 
 void rs_wait(cudaStream_t s, uint64_t addr, uint32_t value, int device) {
@@ -1004,6 +1086,7 @@ std::tuple<c10::intrusive_ptr<RsCall>, std::vector<at::Tensor>> rs_launch(
   TORCH_CHECK(!inputs.empty() && (half == 0 || half == 1) && op >= kOpSum && op <= kOpPremul,
               "torch_ce: rs_launch: bad arguments");
   TORCH_CHECK(outs.empty() || outs.size() == inputs.size(), "torch_ce: rs_launch: one output per input");
+  double t0 = g_rs_timing.load(std::memory_order_relaxed) ? rs_now() : 0.0;
   const int device = static_cast<int>(ws->device);
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const auto cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
@@ -1036,17 +1119,20 @@ std::tuple<c10::intrusive_ptr<RsCall>, std::vector<at::Tensor>> rs_launch(
     }
   }
   TORCH_CHECK(total <= ws->cap, "torch_ce: rs_launch: ", total, " elements per rank, the workspace holds ", ws->cap);
+  rs_mark(0, t0);
   // The copy stream after the current one (the gradient is ready, the outputs allocated).
   cudaEvent_t ready = take_event(device);
   CE_CUDA_CHECK(cudaEventRecord(ready, cur.stream()), "cudaEventRecord");
   CE_CUDA_CHECK(cudaStreamWaitEvent(ws->copy, ready, 0), "cudaStreamWaitEvent");
   give_event(device, ready);
+  rs_mark(1, t0);
   const auto esize = ws->esize;
   for (int64_t k = 1; k < w; ++k) {
     const int64_t j = (i + k) % w;
     const uint64_t free_flag = ws->at(kOwnFree, half, j);
     rs_wait(ws->copy, free_flag, 1u, device);
     rs_write(ws->copy, free_flag, 0u);
+    rs_mark(2, t0);
     char* dst = reinterpret_cast<char*>(ws->at(kPeerRecv, half, j));
     for (size_t m = 0; m < call->flats.size(); ++m) {
       const int64_t n = call->ns[m];
@@ -1056,16 +1142,20 @@ std::tuple<c10::intrusive_ptr<RsCall>, std::vector<at::Tensor>> rs_launch(
                       "cudaMemcpyAsync");
       dst += n * esize;
     }
+    rs_mark(3, t0);
     rs_write(ws->copy, ws->at(kPeerSeq, half, j), static_cast<uint32_t>(seq));
     rs_write(ws->copy, ws->at(kPeerNumel, half, j), static_cast<uint32_t>(numel));
     rs_write(ws->copy, ws->at(kPeerData, half, j), static_cast<uint32_t>(tag));
+    rs_mark(4, t0);
   }
   call->pushed = take_event(device);
   CE_CUDA_CHECK(cudaEventRecord(call->pushed, ws->copy), "cudaEventRecord");
+  rs_mark(5, t0);
   if (register_work) {
     auto work = c10::make_intrusive<RsWork>(call);
     for (auto& o : call->outs) c10d::register_work(o, work);
   }
+  rs_mark(6, t0);
   return std::make_tuple(call, call->outs);
 }
 
@@ -1145,18 +1235,23 @@ void rs_complete(const c10::intrusive_ptr<RsCall>& call, bool wait_current) {
   const int device = static_cast<int>(ws.device);
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   std::lock_guard<std::mutex> lk(call->mu);
+  double t0 = g_rs_timing.load(std::memory_order_relaxed) ? rs_now() : 0.0;
   if (!call->completed) {
     call->completed = true;
     call->stage.store(1);  // the watchdog's deadline starts: before any wait is enqueued
     const int64_t w = ws.world, i = ws.self, h = call->half;
     CE_CUDA_CHECK(cudaStreamWaitEvent(ws.reduce, call->pushed, 0), "cudaStreamWaitEvent");
+    rs_mark(7, t0);
     for (int64_t k = 1; k < w; ++k) {  // every sender checked before anything is reduced
       const uint64_t flag = ws.at(kOwnData, h, (i + k) % w);
       rs_wait(ws.reduce, flag, static_cast<uint32_t>(call->tag), device);
       rs_write(ws.reduce, flag, 0u);
     }
+    rs_mark(8, t0);
     rs_reduce(*call);
+    rs_mark(9, t0);
     for (int64_t k = 1; k < w; ++k) rs_write(ws.reduce, ws.at(kPeerFree, h, (i + k) % w), 1u);
+    rs_mark(10, t0);
     call->done = take_event(device);
     CE_CUDA_CHECK(cudaEventRecord(call->done, ws.reduce), "cudaEventRecord");
     call->stage.store(2);
@@ -1165,6 +1260,7 @@ void rs_complete(const c10::intrusive_ptr<RsCall>& call, bool wait_current) {
     auto cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
     CE_CUDA_CHECK(cudaStreamWaitEvent(cur.stream(), call->done, 0), "cudaStreamWaitEvent");
   }
+  rs_mark(11, t0);
 }
 
 bool RsWork::wait(std::chrono::milliseconds /*timeout*/) {
@@ -1198,6 +1294,18 @@ int64_t rs_query(const c10::intrusive_ptr<RsCall>& call) {
   }
   CE_CUDA_CHECK(err, "cudaEventQuery");
   return 3;
+}
+
+// The calling thread's stream-capture interaction mode set to relaxed; returns the old
+// mode. The reduce-scatter watchdog (a Python thread) queries events of calls launched
+// before a capture; under another thread's cudaStreamCaptureModeGlobal capture (the
+// default of torch.cuda.graph) such a query from a thread in the default mode is an
+// unsafe call that invalidates that capture. A relaxed thread may make it (CUDA runtime
+// API, cudaThreadExchangeStreamCaptureMode).
+int64_t relax_thread_capture_mode() {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  CE_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+  return static_cast<int64_t>(mode);
 }
 
 // Whether the library has the reduction kernel (nvcc build) or hands the reduction to
@@ -1252,6 +1360,9 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("rs_register(__torch__.torch.classes.torch_ce_native.RsCall call) -> ()", &rs_register);
   m.def("rs_query(__torch__.torch.classes.torch_ce_native.RsCall call) -> int", &rs_query);
   m.def("rs_has_kernel() -> bool", &rs_has_kernel);
+  m.def("relax_thread_capture_mode() -> int", &relax_thread_capture_mode);
+  m.def("rs_timing(int mode) -> float[]", &rs_timing);
+  m.def("peer_copy_into(Tensor(a!) out, Tensor[] srcs, int[] rows) -> ()", &peer_copy_into);
 }
 
 TORCH_LIBRARY_IMPL(torch_ce_native, CompositeImplicitAutograd, m) {

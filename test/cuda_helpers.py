@@ -77,14 +77,16 @@ def loopback_workspaces(world: int, cap: int, dtype: torch.dtype, device="cuda")
 
 
 def loopback_reduce_scatter(wss: list, inputs: list, reduce_op: str = "sum", name: str = "loopback",
-                            via_wait_tensor: bool = False) -> list:
+                            via_wait_tensor: bool = False, outs: list | None = None) -> list:
     """One reduce-scatter of every "rank"'s ``inputs[r]`` (a list of tensors) over the
     loopback workspaces: each launches, then each completes; the current stream then waits
     for every completion. Returns each rank's outputs. ``via_wait_tensor``: the outputs
-    carry the op's c10d work and each is completed by its ``wait_tensor``, as in a graph."""
+    carry the op's c10d work and each is completed by its ``wait_tensor``, as in a graph.
+    ``outs``: each rank's given outputs (FSDP2's hook writes into its own)."""
     from torch_ce.runtime import reduce_scatter as RS
 
-    calls = [RS.launch(ws, xs, reduce_op, name) for ws, xs in zip(wss, inputs, strict=True)]
+    outs = outs or [None] * len(wss)
+    calls = [RS.launch(ws, xs, reduce_op, name, outs=o) for ws, xs, o in zip(wss, inputs, outs, strict=True)]
     if via_wait_tensor:
         for c in calls:
             RS._register(c)

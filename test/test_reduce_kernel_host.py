@@ -13,7 +13,7 @@ in csrc/ce_ops.cu, NOTE [reduction kernel] in csrc/ce_reduce.cu): no GPU here.
   premul factor carried exactly.
 - ``test_address_tables``: the integers ``_native_workspace`` hands to C++ are the words
   the Python ``_Cuda`` path waits on and writes, table by table.
-- ``test_off_by_default``: ``rs_native`` is off and the CPU path never takes it.
+- ``test_on_by_default_never_on_cpu``: ``rs_native`` is on; a CPU torch never takes it.
 - ``test_watchdog_starts_a_native_calls_deadline_at_its_completion``: the watchdog's
   deadline of a native call runs from its completion's start (the C++ stage), not its
   launch; a done call leaves the watch.
@@ -165,15 +165,17 @@ def test_address_tables(monkeypatch):
             assert t(6, h, j) == recvs[j][h, i].data_ptr()  # the push's destination
 
 
-def test_off_by_default():
+def test_on_by_default_never_on_cpu():
     import torch_ce
     from torch_ce.runtime import native
     from torch_ce.runtime import reduce_scatter as RS
 
-    assert torch_ce.config.rs_native is False
-    assert not RS._native()
-    with torch_ce.config.patch(rs_native=True):
-        assert RS._native() == native.has_rs_native()  # a CPU torch: never
+    assert torch_ce.config.rs_native is True
+    assert RS._native() == native.has_rs_native()  # a CPU torch: never
+    if torch.version.cuda is None:
+        assert not RS._native()
+    with torch_ce.config.patch(rs_native=False):
+        assert not RS._native()
 
 
 def test_no_kernel_in_the_host_compiled_source():

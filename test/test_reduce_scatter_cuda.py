@@ -108,8 +108,14 @@ def test_loopback_exact(world, rs_native):
             op = "premul_sum(0.125)" if call == 7 else op
             xs = _inputs(world, dtype, gen, coalesced=call % 2 == 1)
             # Odd calls (the coalesced ones) through the outputs' wait_tensor, as in a graph.
-            outs = loopback_reduce_scatter(wss, xs, op, f"call {call}", via_wait_tensor=call % 2 == 1)
+            # Call 4 writes into given outputs (FSDP2's hook), filled with noise first.
+            given = [[torch.randn(x.shape[0] // world, *x.shape[1:], device="cuda", generator=gen).to(dtype)
+                      for x in xs[r]] for r in range(world)] if call == 4 else None
+            outs = loopback_reduce_scatter(wss, xs, op, f"call {call}", via_wait_tensor=call % 2 == 1,
+                                           outs=given)
             torch.cuda.synchronize()
+            if given is not None:
+                assert [[o.data_ptr() for o in r] for r in outs] == [[g.data_ptr() for g in r] for r in given]
             for r in range(world):
                 want = _documented(xs, r, world, op)
                 for o, e in zip(outs[r], want, strict=True):
@@ -140,6 +146,33 @@ def test_capture_and_replays(rs_native):
         for r in range(w):
             for o, e in zip(outs[r], _documented(fresh, r, w, "sum"), strict=True):
                 assert torch.equal(o, e), (k, r)
+
+
+def test_capture_while_the_watchdog_polls(rs_native):
+    """A CUDA graph captured in CUDA's default (global) mode while the watchdog queries
+    the events of calls still running stays valid (the watchdog's thread is relaxed), and
+    the calls end exact."""
+    w, dtype = 2, torch.float32
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    wss = loopback_workspaces(w, 4096, dtype)
+    loopback_reduce_scatter(wss, _inputs(w, dtype, gen, coalesced=False))
+    torch.cuda.synchronize()
+    xs = _inputs(w, dtype, gen, coalesced=False)
+    a = torch.randn(4096, device="cuda", generator=gen)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time before the calls' inputs are ready
+    outs = loopback_reduce_scatter(wss, xs)  # launched and completed: watched, not done
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):  # no synchronize first (torch.cuda.graph's would wait them out)
+        graph.capture_begin(capture_error_mode="global")
+        b = a * 3
+        time.sleep(0.25)  # the watchdog ticks every 20 ms
+        graph.capture_end()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(b, a * 3)
+    for r in range(w):
+        assert torch.equal(outs[r][0], _documented(xs, r, w, "sum")[0]), r
 
 
 def test_profile_has_no_transport_kernel(rs_native):

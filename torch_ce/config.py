@@ -100,8 +100,9 @@ class Config:
     rs_timeout_s: float = 300.0
     # CUDA reduce-scatters launched and completed by the C++ library, with one fused
     # reduction kernel per call (NOTE [native reduce-scatter path] in csrc/ce_ops.cu), where
-    # it has them; off: the Python launch and completion. Default off: on once verified on a GPU.
-    rs_native: bool = False
+    # it has them; off: the Python launch and completion (verified exact on an H200 in
+    # loopback, run 62: the default).
+    rs_native: bool = True
     # Gathers outside compiled graphs (SimpleFSDP's parametrization run eagerly: a graph
     # break, activation checkpointing's re-run in backward, an eager evaluation) read
     # windows too, with the transport "copy_engine" (NOTE [eager gathers] in

@@ -485,9 +485,8 @@ def _draw(plt, rows: dict):
 def loopback_comm(mine, peer):
     """torch_ce's FSDP2 all-gather over a loopback slot: a 2-rank window whose other rank's
     copy is the local tensor ``peer`` (test/cuda_helpers.register_loopback's construction),
-    static (no signal per call). Its rank check is the one thing it skips: the one-rank
-    group FSDP2 would pass cannot be the pair the slot names; the check's host work (the
-    group's ranks) is still paid per call."""
+    static (no signal per call). Its ranks are the one-rank group's (the group FSDP2 would
+    pass cannot be the pair the slot names); the rest of its checks run per call."""
     import torch
     import torch.distributed as dist
 
@@ -505,17 +504,9 @@ def loopback_comm(mine, peer):
     slot.peer_views = [mine, peer]
     g = Group("loopback", None, None, mode="static", numel=mine.numel(), dtype=mine.dtype)
 
-    class LoopbackAllGather(CopyEngineAllGather):
-        def _check(self, output_tensor, input_tensor, group):
-            ranks = dist.get_process_group_ranks(group)
-            saved = self.ranks
-            self.ranks = tuple(ranks)
-            try:
-                super()._check(output_tensor, input_tensor, group)
-            finally:
-                self.ranks = saved
-
-    return LoopbackAllGather(g, Bound(slot, mine), 60.0)
+    comm = CopyEngineAllGather(g, Bound(slot, mine), 60.0)
+    comm.ranks = tuple(dist.get_process_group_ranks(group))  # the one-rank group FSDP2 would pass
+    return comm
 
 
 def _per_call_us(fn, calls: int, cuda: bool) -> float:
@@ -567,6 +558,9 @@ def loopback(a) -> int:
             out = comm.allocate((2 * n,), dtype=torch.bfloat16, device=dev)
             out[:n].copy_(mine)  # FSDP2's copy-in
             ce = lambda: comm(output_tensor=out, input_tensor=out[:n], group=group, async_op=False)  # noqa: E731
+            py_comm = loopback_comm(mine, peer)
+            py_comm._native = False  # the Python reads (a library without the C++ peer copy)
+            ce_py = lambda: py_comm(output_tensor=out, input_tensor=out[:n], group=group, async_op=False)  # noqa: E731
             ce()
             if cuda:
                 torch.cuda.synchronize()
@@ -574,16 +568,21 @@ def loopback(a) -> int:
             one = torch.empty(n, dtype=torch.bfloat16, device=dev)
             coll = lambda: dist.all_gather_into_tensor(one, mine, group=group)  # noqa: E731
             ce_us = _per_call_us(ce, a.calls, cuda)
+            py_us = _per_call_us(ce_py, a.calls, cuda) if cuda else ce_us
             coll_us = _per_call_us(coll, a.calls, cuda)
-            res[str(mib)] = dict(ce_us=ce_us, collective_us=coll_us, exact=exact)
-            rows.append([f"{mib:g}", f"{ce_us:.1f}", f"{coll_us:.1f}", f"{ce_us / coll_us:.2f}",
+            if cuda:
+                torch.cuda.synchronize()
+                exact = exact and bool(torch.equal(out, torch.cat([mine, peer])))
+            res[str(mib)] = dict(ce_us=ce_us, ce_python_us=py_us, collective_us=coll_us, exact=exact,
+                                 ce_native=bool(comm._native))
+            rows.append([f"{mib:g}", f"{ce_us:.1f}", f"{py_us:.1f}", f"{coll_us:.1f}", f"{ce_us / coll_us:.2f}",
                          "yes" if exact else "NO"])
-            del mine, peer, out, one
+            del mine, peer, out, one, comm, py_comm
     finally:
         dist.destroy_process_group()
     path = os.path.join(a.out, f"fsdp2_loopback_{C.gpu_tag(torch.cuda.get_device_name(dev)) if cuda else 'cpu'}.json")
     C.write_json(path, dict(args=vars(a), per_size=res, collective="nccl" if cuda else "gloo"), C.env_info(1))
-    print(C.format_table(["chunk MiB", "torch_ce hook us/call", f"{backend} all_gather us/call (1 rank)",
+    print(C.format_table(["chunk MiB", "torch_ce hook us/call", "(Python reads)", f"{backend} all_gather us/call (1 rank)",
                           "ratio", "exact"], rows), flush=True)
     print(f"wrote {path}", flush=True)
     return 0 if all(r["exact"] for r in res.values()) else 1

@@ -60,6 +60,9 @@ class CopyEngineAllGather:
         self.calls = 0  # this group's gathers so far (the step words' call numbers)
         self.poison = ""
         self.served = Served()
+        self._group_ok = None  # the process group whose ranks matched (checked once)
+        self._srcs = None  # (the peers' chunks, their rows) for the C++ peer copy
+        self._native = None  # whether the C++ peer copy serves the CUDA reads (decided at the first)
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -76,10 +79,13 @@ class CopyEngineAllGather:
                 f"{output_tensor.dtype} elements where its bound chunk is {n} x {self.world} "
                 f"{slot.dtype} (parameters registered or re-typed after fsdp2.enable(); call "
                 "fsdp2.disable(model) and enable it again on every rank)")
+        if group is self._group_ok:
+            return
         if tuple(torch.distributed.get_process_group_ranks(group)) != tuple(self.ranks):
             raise RuntimeError(f"torch_ce.fsdp2: {self.group.name}: FSDP2 gathers over ranks "
                                f"{torch.distributed.get_process_group_ranks(group)}, the chunk is "
                                f"bound over {list(self.ranks)}")
+        self._group_ok = group
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  async_op: bool = False):
@@ -100,6 +106,18 @@ class CopyEngineAllGather:
         if not out.is_cuda:
             for p in peers:
                 out[p].copy_(views[p])
+            return
+        if self._native is None:
+            from ..runtime import native
+
+            self._native = native.peer_copy_into if native.has_peer_copy_into() else False
+        if self._native:  # the same copies and stream order, in one C++ call
+            if peers is self.peers:
+                if self._srcs is None:
+                    self._srcs = ([views[p] for p in peers], list(peers))
+                self._native(out, *self._srcs)
+            else:
+                self._native(out, [views[p] for p in peers], list(peers))
             return
         cur = torch.cuda.current_stream(out.device)  # FSDP2's all-gather stream
         cs = _copy_stream(out.device)

@@ -374,6 +374,27 @@ RS_OPS = {"sum": 0, "avg": 1}
 RS_PREMUL = 2
 
 
+_RAW: dict = {}
+
+
+def _raw(name: str):
+    """The library op ``name`` called without torch.ops' Python check for fake script
+    objects: an op that takes a custom class (RsWorkspace, RsCall) makes
+    ``OpOverloadPacket.__call__`` walk every argument first (~20 us per call on an H200's
+    host, run 63), where the op itself costs a few. Eager calls only: nothing traces these."""
+    f = _RAW.get(name)
+    if f is None:
+        packet = getattr(torch.ops.torch_ce_native, name)
+        f = _RAW[name] = getattr(packet, "_op", packet)
+    return f
+
+
+def rs_timing(mode: int = 0) -> list:
+    """The C++ launch's and completion's host seconds per piece (csrc/ce_ops.cu rs_timing):
+    0 read, 1 reset and on, 2 off. A probe (bench/compare/rs_host_breakdown.py)."""
+    return list(torch.ops.torch_ce_native.rs_timing(int(mode)))
+
+
 def has_rs_native() -> bool:
     """Whether the loaded library has the native reduce-scatter launch and completion."""
     return load() and hasattr(torch.ops.torch_ce_native, "rs_launch")
@@ -383,6 +404,27 @@ def rs_has_kernel() -> bool:
     """Whether it has the CUDA reduction kernel (an nvcc build); else its completion calls
     ``torch_ce::rs_reduce_fallback`` (the Triton kernel, runtime/reduce_triton.py)."""
     return has_rs_native() and bool(torch.ops.torch_ce_native.rs_has_kernel())
+
+
+def relax_thread_capture_mode() -> bool:
+    """This thread's CUDA stream-capture mode set to relaxed (the watchdog's: its event
+    queries must not invalidate a global-mode capture in another thread); False where the
+    library lacks it."""
+    if not (load() and hasattr(torch.ops.torch_ce_native, "relax_thread_capture_mode")):
+        return False
+    torch.ops.torch_ce_native.relax_thread_capture_mode()
+    return True
+
+
+def has_peer_copy_into() -> bool:
+    """Whether the loaded library has ``peer_copy_into`` (FSDP2's all-gather hook)."""
+    return load() and hasattr(torch.ops.torch_ce_native, "peer_copy_into")
+
+
+def peer_copy_into(out: torch.Tensor, srcs: list, rows: list) -> None:
+    """``srcs[i]`` into row ``rows[i]`` of ``out`` on the copy stream, ordered after and
+    before the current stream (csrc/ce_ops.cu)."""
+    torch.ops.torch_ce_native.peer_copy_into(out, srcs, rows)
 
 
 def rs_workspace(addrs: list[int], world: int, index: int, cap: int, dtype: torch.dtype, device: int,
@@ -395,25 +437,24 @@ def rs_workspace(addrs: list[int], world: int, index: int, cap: int, dtype: torc
 def rs_launch(ws, inputs, outs, half: int, seq: int, numel: int, tag: int, op: int, factor: float,
               register_work: bool):
     """Step 1 of a call in C++: (the call's C++ handle, its outputs)."""
-    return torch.ops.torch_ce_native.rs_launch(ws, inputs, outs, half, seq, numel, tag, op, factor,
-                                               register_work)
+    return _raw("rs_launch")(ws, inputs, outs, half, seq, numel, tag, op, factor, register_work)
 
 
 def rs_complete(call, wait_current: bool) -> None:
     """Steps 2-4 in C++, once; ``wait_current``: the current stream then waits for them."""
-    torch.ops.torch_ce_native.rs_complete(call, wait_current)
+    _raw("rs_complete")(call, wait_current)
 
 
 def rs_stream_wait(call, stream: int) -> None:
     """The stream (a ``cuda_stream`` integer) waits for the call's completion (enqueued first)."""
-    torch.ops.torch_ce_native.rs_stream_wait(call, int(stream))
+    _raw("rs_stream_wait")(call, int(stream))
 
 
 def rs_query(call) -> int:
     """0 launched, 1 completion being enqueued, 2 its done event recorded, 3 done."""
-    return int(torch.ops.torch_ce_native.rs_query(call))
+    return int(_raw("rs_query")(call))
 
 
 def rs_register(call) -> None:
     """The call's c10d work on its outputs (their ``wait_tensor`` completes it)."""
-    torch.ops.torch_ce_native.rs_register(call)
+    _raw("rs_register")(call)

@@ -587,9 +587,12 @@ def _register(call: Call) -> None:
 # reads into is allocated before any of the workspace's waits: a page-locked allocation, or
 # the first launch of a kernel (CUDA's lazy module loading), behind a blocked wait can block
 # the host thread that makes it (the probe's first run hung there), and the watchdog still
-# releases the call. Open: the release end to end on a GPU (run 59's test ran a first
-# version that called a wrapper not yet written), and the own-stream writes under
-# CUDA_DEVICE_MAX_CONNECTIONS=1 (measured under the default queues only; docs/DESIGN.md).
+# releases the call. The release ran end to end on an H200 under the default queues (run
+# 60); under CUDA_DEVICE_MAX_CONNECTIONS=1 the own-stream writes queue behind the blocked
+# wait, so the op refuses that setting (docs/DESIGN.md "No hang"). The watchdog's thread
+# runs in CUDA's relaxed stream-capture mode: its event queries would otherwise invalidate
+# a CUDA graph another thread captures in the default (global) mode (run 61: bench/
+# rs_cost.py's capture failed so; test_capture_while_the_watchdog_polls).
 # A host blocked in ``torch.cuda.synchronize()`` (or ``loss.item()``) therefore returns
 # within ``rs_timeout_s`` plus the poll; what it computed from the call is NaN.
 # Not under CUDA-graph capture: a captured event is not queried and a replay runs no host
@@ -639,7 +642,14 @@ def _watchdog() -> None:
     """Runs while some completion is pending; ends when none is (``_watch`` starts it
     again) or at interpreter exit (no CUDA call may run during teardown)."""
     from ..config import config
+    from . import native
 
+    # Its event queries run while the user may capture a CUDA graph in another thread: in
+    # CUDA's default (global) mode they would invalidate that capture.
+    try:
+        native.relax_thread_capture_mode()
+    except Exception as e:  # noqa: BLE001 (logged: the watchdog must run)
+        log.warning("torch_ce: the reduce-scatter watchdog keeps CUDA's global capture mode: %s", e)
     next_abort = time.monotonic() + RW._ABORT_EVERY_S
     while not _stopping.wait(0.02):
         with _watch_lock:
