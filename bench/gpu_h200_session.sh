@@ -9,7 +9,8 @@
 #   3. test/test_fsdp2_cuda.py: FSDP2's all-gather hook on a loopback slot, exact, no kernel
 #   4. torch-ce bench fsdp2 --loopback: host us per call of the hook beside NCCL's
 #   5. bench/rs_cost.py: host us per rank-call (NCCL functional, Python path, native path),
-#      the reduction kernel's GB/s against a copy's, CUDA-graph replay
+#      the reduction kernel's GB/s against the HBM copy bandwidth, CUDA-graph replay
+#   6. bench/compare/rs_host_breakdown.py: where a native call's host time goes
 # Logs, JSON and PNG under $OUT; a short table last.
 #   run: bash bench/gpu_h200_session.sh
 set -u
@@ -33,8 +34,12 @@ echo "fsdp2 loopback rc=$? ($(( $(date +%s) - t2 )) s)" | tee -a "$OUT/summary.t
 t3=$(date +%s)
 timeout "$(cap 200)" python3 bench/rs_cost.py --iters 30 --out "$OUT" > "$OUT/rs_cost.log" 2>&1
 echo "rs_cost rc=$? ($(( $(date +%s) - t3 )) s)" | tee -a "$OUT/summary.txt"
+t4=$(date +%s)
+timeout "$(cap 60)" python3 bench/compare/rs_host_breakdown.py > "$OUT/rs_host_breakdown.txt" 2>&1
+echo "rs_host_breakdown rc=$? ($(( $(date +%s) - t4 )) s)" | tee -a "$OUT/summary.txt"
 echo "---- short table ----"
 grep -hE "(PASSED|FAILED|ERROR|XFAIL|XPASS)|passed|failed" "$OUT/tests.log" | sed 's/^test\///' | cut -c1-150 | tail -40
 grep -hE "chunk MiB|^ *[0-9.]+ +[0-9.]+ +[0-9.]+" "$OUT/fsdp2_loopback.log" | head -n 8
-tail -n 18 "$OUT/rs_cost.log" | cut -c1-170
+tail -n 14 "$OUT/rs_cost.log" | cut -c1-170
+head -n 22 "$OUT/rs_host_breakdown.txt"
 echo "total $(( $(date +%s) - t0 )) s"

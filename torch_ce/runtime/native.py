@@ -397,7 +397,12 @@ def rs_timing(mode: int = 0) -> list:
 
 def has_rs_native() -> bool:
     """Whether the loaded library has the native reduce-scatter launch and completion."""
-    return load() and hasattr(torch.ops.torch_ce_native, "rs_launch")
+    if not _HAS_RS:
+        _HAS_RS.append(load() and hasattr(torch.ops.torch_ce_native, "rs_launch"))
+    return _HAS_RS[0]
+
+
+_HAS_RS: list = []  # has_rs_native's answer, once (the library loads once per process)
 
 
 def rs_has_kernel() -> bool:

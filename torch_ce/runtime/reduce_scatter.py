@@ -469,16 +469,12 @@ def _launch_native(ws, inputs, reduce_op, name, numel, sig_text, outs, register,
     op, factor = _op_code(reduce_op)
     cxx, outs = native.rs_launch(handle, inputs, [] if outs is None else outs, h, seq, numel, tag, op,
                                  factor, register)
-    w, i = ws.group_size, ws.index
+    w = ws.group_size
     call = Call(ws, h, list(inputs), [], [], list(outs), reduce_op,
                 f"reduce-scatter {name} (call {seq} of generation {ws.gen} of group {list(ws.key[0])})",
                 name, numel * w * inputs[0].element_size(), seq=seq, numel=numel, tag=tag,
                 recorded=True, native=cxx, registered=register)
     call.done = _NativeDone(cxx)
-    # What the C++ launch and completion wait for, in stream order (the watchdog names and
-    # releases them: NOTE [reduce-scatter watchdog]).
-    peers = [(i + k) % w for k in range(1, w)]
-    call.waits = [(FREE, h, j, 1) for j in peers] + [(DATA, h, j, tag) for j in peers]
     _watch(call, started=False)
     _pending.setdefault(pkey, {})[h] = call
     return call
@@ -661,17 +657,21 @@ def _watchdog() -> None:
             next_abort = now + RW._ABORT_EVERY_S
         for item in items:
             deadline, call = item
-            if deadline is None:  # a native call: watched from its completion on
-                started = _native_started(call)
-                if started is None:  # its completion not enqueued: not watched yet (a failed
-                    pending.append(item)  # pool's too: a later wait still gets released)
+            if call.native is not None:  # one query: its stage (3: done)
+                stage = _native_stage(call)
+                if stage == 3:
                     continue
-                item[0] = deadline = now + float(config.rs_timeout_s)
-            try:
-                if call.recorded and call.done.query():
-                    continue
-            except Exception:  # noqa: BLE001 (a failed context: reported as not done)
-                pass
+                if deadline is None:  # watched from its completion on
+                    if stage == 0:  # its completion not enqueued: not watched yet (a failed
+                        pending.append(item)  # pool's too: a later wait still gets released)
+                        continue
+                    item[0] = deadline = now + float(config.rs_timeout_s)
+            else:
+                try:
+                    if call.recorded and call.done.query():
+                        continue
+                except Exception:  # noqa: BLE001 (a failed context: reported as not done)
+                    pass
             ws = call.ws
             why = None
             if ws.failed:
@@ -700,15 +700,27 @@ def _watchdog() -> None:
 _SIDE: dict = {}  # device index -> the watchdog's side stream (its reads)
 
 
-def _native_started(call: Call) -> bool | None:
-    """True once a native call's completion has begun (None: not yet; a failed query counts
-    as begun, so the deadline runs)."""
+def _waits(call: Call) -> list:
+    """What the call's stream waits for, in stream order: (kind, half, peer, value). The
+    Python path records them as it enqueues them; the C++ launch and completion wait for
+    each peer's free flag, then each peer's data flag (its tag), peers in ring order."""
+    if call.native is None:
+        return call.waits
+    w, i, h = call.ws.group_size, call.ws.index, call.half
+    peers = [(i + k) % w for k in range(1, w)]
+    return [(FREE, h, j, 1) for j in peers] + [(DATA, h, j, call.tag) for j in peers]
+
+
+def _native_stage(call: Call) -> int:
+    """A native call's stage (``native.rs_query``: 0 launched, 1 completion being enqueued,
+    2 its done event recorded, 3 done); a failed query counts as begun and not done (1),
+    so the deadline runs."""
     from . import native
 
     try:
-        return True if native.rs_query(call.native) >= 1 else None
+        return native.rs_query(call.native)
     except Exception:  # noqa: BLE001
-        return True
+        return 1
 
 
 def _read_words(ws: RW.Workspace) -> tuple | None:
@@ -742,7 +754,7 @@ def _release(call: Call, why: str) -> None:
     ranks, h = ws.key[0], call.half
     with torch.cuda.device(ws.flags.device):
         words = _read_words(ws)
-        stuck = [(k, j, v) for k, hh, j, v in call.waits if hh == h]
+        stuck = [(k, j, v) for k, hh, j, v in _waits(call) if hh == h]
         names = []
         for kind, j, value in stuck:  # a data flag of 0: not pushed (a consumed one is also 0:
             if kind != DATA:          # the peers named are those the call may still wait for)
