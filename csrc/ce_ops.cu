@@ -1296,72 +1296,6 @@ int64_t rs_query(const c10::intrusive_ptr<RsCall>& call) {
   return 3;
 }
 
-// Handles: Python holds a workspace or a call as an integer, not as a custom-class
-// object: converting a torch.ScriptObject argument or result costs ~15 us per op call on
-// an H200's host (run 64, bench/compare/rs_host_breakdown.py), several times the C++ work
-// of a call. Ids come from one counter; rs_forget drops either kind (Python's
-// native.Handle calls it when its last reference goes). A call's c10d work holds the
-// call itself, so forgetting the id never ends a call early.
-std::mutex g_rs_mu;
-std::unordered_map<int64_t, c10::intrusive_ptr<RsWorkspace>> g_rs_workspaces;
-std::unordered_map<int64_t, c10::intrusive_ptr<RsCall>> g_rs_calls;
-int64_t g_rs_next = 1;
-
-template <class T>
-c10::intrusive_ptr<T> rs_find(const std::unordered_map<int64_t, c10::intrusive_ptr<T>>& m, int64_t id,
-                              const char* what) {
-  std::lock_guard<std::mutex> lk(g_rs_mu);
-  auto it = m.find(id);
-  TORCH_CHECK(it != m.end(), "torch_ce: no reduce-scatter ", what, " with handle ", id);
-  return it->second;
-}
-
-int64_t rs_workspace_h(std::vector<int64_t> addrs, int64_t world, int64_t self, int64_t cap,
-                       c10::ScalarType dtype, int64_t device, int64_t copy_stream, int64_t reduce_stream) {
-  auto ws = rs_workspace(std::move(addrs), world, self, cap, dtype, device, copy_stream, reduce_stream);
-  std::lock_guard<std::mutex> lk(g_rs_mu);
-  const int64_t id = g_rs_next++;
-  g_rs_workspaces.emplace(id, std::move(ws));
-  return id;
-}
-
-std::tuple<int64_t, std::vector<at::Tensor>> rs_launch_h(int64_t ws, at::TensorList inputs, at::TensorList outs,
-                                                         int64_t half, int64_t seq, int64_t numel, int64_t tag,
-                                                         int64_t op, double factor, bool register_work) {
-  auto res = rs_launch(rs_find(g_rs_workspaces, ws, "workspace"), inputs, outs, half, seq, numel, tag, op, factor,
-                       register_work);
-  std::lock_guard<std::mutex> lk(g_rs_mu);
-  const int64_t id = g_rs_next++;
-  g_rs_calls.emplace(id, std::move(std::get<0>(res)));
-  return std::make_tuple(id, std::move(std::get<1>(res)));
-}
-
-void rs_complete_h(int64_t call, bool wait_current) { rs_complete(rs_find(g_rs_calls, call, "call"), wait_current); }
-void rs_stream_wait_h(int64_t call, int64_t stream) { rs_stream_wait(rs_find(g_rs_calls, call, "call"), stream); }
-void rs_register_h(int64_t call) { rs_register(rs_find(g_rs_calls, call, "call")); }
-int64_t rs_query_h(int64_t call) { return rs_query(rs_find(g_rs_calls, call, "call")); }
-
-void rs_forget(int64_t id) {
-  c10::intrusive_ptr<RsCall> call;  // released after the lock: its destructor returns events
-  c10::intrusive_ptr<RsWorkspace> ws;
-  std::lock_guard<std::mutex> lk(g_rs_mu);
-  auto c = g_rs_calls.find(id);
-  if (c != g_rs_calls.end()) {
-    call = std::move(c->second);
-    g_rs_calls.erase(c);
-  }
-  auto w = g_rs_workspaces.find(id);
-  if (w != g_rs_workspaces.end()) {
-    ws = std::move(w->second);
-    g_rs_workspaces.erase(w);
-  }
-}
-
-int64_t rs_handle_count() {
-  std::lock_guard<std::mutex> lk(g_rs_mu);
-  return static_cast<int64_t>(g_rs_calls.size() + g_rs_workspaces.size());
-}
-
 // The calling thread's stream-capture interaction mode set to relaxed; returns the old
 // mode. The reduce-scatter watchdog (a Python thread) queries events of calls launched
 // before a capture; under another thread's cudaStreamCaptureModeGlobal capture (the
@@ -1412,18 +1346,19 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("stream_flags_info() -> int[]", &stream_flags_info);
   m.def("host_write_words(int addr, int value, int count, int width, int method) -> int", &host_write_words);
   // NOTE [native reduce-scatter path]
+  m.class_<RsWorkspace>("RsWorkspace");
+  m.class_<RsCall>("RsCall");
   m.def("rs_workspace(int[] addrs, int world, int index, int cap, ScalarType dtype, int device, "
-        "int copy_stream, int reduce_stream) -> int",
-        &rs_workspace_h);
-  m.def("rs_launch(int ws, Tensor[] inputs, Tensor[] outs, int half, int seq, int numel, int tag, int op, "
-        "float factor, bool register_work) -> (int, Tensor[])",
-        &rs_launch_h);
-  m.def("rs_complete(int call, bool wait_current) -> ()", &rs_complete_h);
-  m.def("rs_stream_wait(int call, int stream) -> ()", &rs_stream_wait_h);
-  m.def("rs_register(int call) -> ()", &rs_register_h);
-  m.def("rs_query(int call) -> int", &rs_query_h);
-  m.def("rs_forget(int handle) -> ()", &rs_forget);
-  m.def("rs_handle_count() -> int", &rs_handle_count);
+        "int copy_stream, int reduce_stream) -> __torch__.torch.classes.torch_ce_native.RsWorkspace",
+        &rs_workspace);
+  m.def("rs_launch(__torch__.torch.classes.torch_ce_native.RsWorkspace ws, Tensor[] inputs, Tensor[] outs, "
+        "int half, int seq, int numel, int tag, int op, float factor, bool register_work) -> "
+        "(__torch__.torch.classes.torch_ce_native.RsCall, Tensor[])",
+        &rs_launch);
+  m.def("rs_complete(__torch__.torch.classes.torch_ce_native.RsCall call, bool wait_current) -> ()", &rs_complete);
+  m.def("rs_stream_wait(__torch__.torch.classes.torch_ce_native.RsCall call, int stream) -> ()", &rs_stream_wait);
+  m.def("rs_register(__torch__.torch.classes.torch_ce_native.RsCall call) -> ()", &rs_register);
+  m.def("rs_query(__torch__.torch.classes.torch_ce_native.RsCall call) -> int", &rs_query);
   m.def("rs_has_kernel() -> bool", &rs_has_kernel);
   m.def("relax_thread_capture_mode() -> int", &relax_thread_capture_mode);
   m.def("rs_timing(int mode) -> float[]", &rs_timing);

@@ -99,16 +99,9 @@ def _inputs(w, dtype, gen, coalesced, rows=6):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_loopback_exact(world, rs_native):
-    import gc
-
-    from torch_ce.runtime import native
-
     gen = torch.Generator(device="cuda").manual_seed(11 + world)
-    held = native.rs_handle_count() if rs_native else 0
-    keys = set()
     for dtype in (torch.float32, torch.bfloat16):
         wss = loopback_workspaces(world, 4096, dtype)
-        keys |= {(ws.key, ws.gen) for ws in wss}
         start = [ws.flags.clone() for ws in wss]
         for call in range(10):
             op = "avg" if call % 3 == 2 else "sum"
@@ -131,14 +124,6 @@ def test_loopback_exact(world, rs_native):
                     assert torch.equal(outs[r][0], xs[0][0].chunk(2)[r] + xs[1][0].chunk(2)[r])
         for ws, f in zip(wss, start, strict=True):
             assert torch.equal(ws.flags, f), (ws.flags, f)  # every flag back where it began
-    if rs_native:  # every C++ call and workspace forgotten once Python drops them
-        del wss, outs, xs
-        time.sleep(0.2)  # the watchdog lets go of the done calls
-        gc.collect()
-        from torch_ce.runtime import reduce_scatter as RS
-
-        owed = sum(1 for k in keys for c in RS._pending.get(k, {}).values() if c.native is not None)
-        assert native.rs_handle_count() == held + owed, (native.rs_handle_count(), held, owed)
 
 
 def test_capture_and_replays(rs_native):
