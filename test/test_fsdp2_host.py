@@ -11,7 +11,9 @@ and (``/ce_rs``: torchtitan's Llama3 and Qwen3, fp32 and bf16 ``param_dtype``) w
 copy-engine reduce-scatter too, on torchtitan's own op, ``PREMUL_SUM(1.0)``; explain()
 must show every gathered and reduced byte of those runs on the copy engines.
 World 3 (uneven shards: 64 rows over 3 ranks) is test_fsdp2_uneven_host.py; HSDP (2 x 2,
-slow) is ``test_hsdp_2x2_serves_the_shard_dim`` below.
+slow) is ``test_hsdp_2x2_serves_the_shard_dim`` below; a rank killed between training
+steps (its peer's next gather an error within the bound, no /dev/shm segment left) is
+``test_a_killed_rank_mid_training_is_an_error_and_leaves_no_segment``.
 """
 from __future__ import annotations
 
@@ -418,6 +420,52 @@ def test_a_peer_that_never_arrives_is_an_error_not_a_hang(results):
     assert 1.5 <= waited < 10, waited
     assert "an earlier gather failed on this rank" in why2, why2
     assert all(r["timeout"]["recovered"] for r in results), [r["timeout"] for r in results]
+
+
+def _killed_mid_training(rank, world, seed, out_dir):
+    """Rank 1 dies (``os._exit``) after a training step; rank 0's next forward waits at
+    its step words: an error within the bound naming rank 1, never a hang. Rank 0 reports
+    in a file (the harness fails the run: a rank died) and exits too."""
+    import json
+    import os
+
+    import fsdp2_models as M
+    import torch_ce
+
+    torch_ce.config.update(shm_prefix=f"tcef{seed}_")
+    m = M.build("dit", _mesh(world), seed, train=True)
+    torch_ce.fsdp2.enable(m, timeout_s=2.0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    inp = M.dit_inputs(seed + rank)
+    loss = M.loss_of("dit", m(*inp), inp)
+    loss.backward()
+    opt.step()
+    first = loss.item()
+    if rank == 1:
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        m(*inp)
+        err = "no error"
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        err = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out_dir, "survivor"), "w") as f:
+        json.dump({"error": err, "took": time.monotonic() - t0, "first": first}, f)
+    os._exit(0)
+
+
+def test_a_killed_rank_mid_training_is_an_error_and_leaves_no_segment(tmp_path):
+    import glob
+    import json
+
+    seed = seed_base()
+    with pytest.raises(pytest.fail.Exception, match="exited with code 0 without reporting"):
+        run_ranks(_killed_mid_training, WORLD, seed, str(tmp_path), timeout=120)
+    survivor = json.loads((tmp_path / "survivor").read_text())
+    assert survivor["error"].startswith("StepWordTimeout"), survivor
+    assert "rank 1 did not stage the chunk of gather" in survivor["error"], survivor
+    assert survivor["took"] < 2.0 + 3.0, survivor
+    assert not glob.glob(f"/dev/shm/tcef{seed}_*"), glob.glob(f"/dev/shm/tcef{seed}_*")
 
 
 def has_per_param_meshes() -> bool:
