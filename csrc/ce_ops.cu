@@ -910,6 +910,44 @@ int64_t host_write_words(int64_t addr, int64_t value, int64_t count, int64_t wid
 }
 
 
+// # NOTE [poison word]
+// Under CUDA_DEVICE_MAX_CONNECTIONS=1 every stream shares one hardware queue, so the
+// watchdog's writes on a stream of its own queue behind the wait they should release
+// (run 60). Only a host store releases it there (run 59), so the workspace's flags,
+// headers and a poison word per half move to host memory that every rank of the group
+// maps (a /dev/shm segment per rank, registered here: cudaHostRegister, mapped, so the
+// device reads it over PCIe and cuStreamWaitValue32 / cuStreamWriteValue32 take its
+// address). The release is then a host store, but the NaN fill the watchdog enqueues for
+// device-flag workspaces would run after the reduction it must precede (one queue: in
+// submission order). So the reduction kernel, already enqueued behind the waits, reads the
+// poison word of its half at each block's start: the watchdog stores the call's tag there
+// before it stores the awaited flags (x86 store order), and the kernel writes NaN. The
+// waits see the flags by polling host memory: the writer's cuStreamWriteValue32 keeps its
+// memory barrier (NOTE [stream flags]), so its pushes into the peer's device memory are
+// visible before the flag in host memory.
+//
+// Registered memory must be page aligned (mmap's is). Returns the device address of
+// ``addr`` (UVA: the same number where the device can use host pointers for registered
+// memory; the caller checks).
+int64_t host_register(int64_t addr, int64_t nbytes) {
+  void* p = reinterpret_cast<void*>(addr);
+  CE_CUDA_CHECK(cudaHostRegister(p, static_cast<size_t>(nbytes), cudaHostRegisterMapped | cudaHostRegisterPortable),
+                "cudaHostRegister");
+  void* d = nullptr;
+  cudaError_t err = cudaHostGetDevicePointer(&d, p, 0);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    (void)cudaHostUnregister(p);
+    CE_CUDA_CHECK(err, "cudaHostGetDevicePointer");
+  }
+  return reinterpret_cast<int64_t>(d);
+}
+
+void host_unregister(int64_t addr) {
+  cudaError_t err = cudaHostUnregister(reinterpret_cast<void*>(addr));
+  if (err != cudaSuccess) (void)cudaGetLastError();  // already gone (teardown): nothing to undo
+}
+
 // # NOTE [native reduce-scatter path]
 // The copy-engine reduce-scatter's launch and completion (NOTE [copy-engine
 // reduce-scatter] in torch_ce/runtime/reduce_scatter.py), when
@@ -1004,6 +1042,7 @@ struct RsWorkspace : torch::CustomClassHolder {
   int64_t world = 0, self = 0, cap = 0, esize = 0, device = 0;
   c10::ScalarType dtype = at::kFloat;
   std::vector<uint64_t> addr;  // kTables x 2 x world
+  uint64_t poison[2] = {0, 0};  // per half: the poison word (host-mapped flags), or 0
   cudaStream_t copy = nullptr, reduce = nullptr;
 
   uint64_t at(int table, int64_t half, int64_t peer) const {
@@ -1034,8 +1073,10 @@ c10::intrusive_ptr<RsWorkspace> rs_workspace(std::vector<int64_t> addrs, int64_t
   TORCH_CHECK(world >= 2 && self >= 0 && self < world && cap > 0, "torch_ce: rs_workspace: world ", world,
               ", index ", self, ", cap ", cap);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "torch_ce: rs_workspace: dtype ", dtype);
-  TORCH_CHECK(static_cast<int64_t>(addrs.size()) == kTables * 2 * world,
-              "torch_ce: rs_workspace: ", addrs.size(), " addresses, expected ", kTables * 2 * world);
+  const int64_t n_addr = kTables * 2 * world;
+  TORCH_CHECK(static_cast<int64_t>(addrs.size()) == n_addr || static_cast<int64_t>(addrs.size()) == n_addr + 2,
+              "torch_ce: rs_workspace: ", addrs.size(), " addresses, expected ", n_addr,
+              " (and two poison words)");
   auto ws = c10::make_intrusive<RsWorkspace>();
   ws->world = world;
   ws->self = self;
@@ -1043,7 +1084,15 @@ c10::intrusive_ptr<RsWorkspace> rs_workspace(std::vector<int64_t> addrs, int64_t
   ws->dtype = dtype;
   ws->esize = static_cast<int64_t>(c10::elementSize(dtype));
   ws->device = device;
-  for (int64_t a : addrs) ws->addr.push_back(static_cast<uint64_t>(a));
+  for (int64_t k = 0; k < n_addr; ++k) ws->addr.push_back(static_cast<uint64_t>(addrs[k]));
+  if (static_cast<int64_t>(addrs.size()) == n_addr + 2) {
+#ifndef TORCH_CE_REDUCE_KERNEL
+    TORCH_CHECK(false, "torch_ce: rs_workspace: host-mapped flags need the reduction kernel (an nvcc build): ",
+                "only it reads the poison word");
+#endif
+    ws->poison[0] = static_cast<uint64_t>(addrs[n_addr]);
+    ws->poison[1] = static_cast<uint64_t>(addrs[n_addr + 1]);
+  }
   ws->copy = reinterpret_cast<cudaStream_t>(copy_stream);
   ws->reduce = reinterpret_cast<cudaStream_t>(reduce_stream);
   return ws;
@@ -1195,6 +1244,8 @@ void rs_reduce(RsCall& call) {
   a.self = static_cast<int>(i);
   a.op = static_cast<int>(call.op);
   a.scale = scale;
+  a.poison = reinterpret_cast<const int*>(ws.poison[h]);  // NOTE [poison word]
+  a.tag = static_cast<int>(call.tag);
   int64_t off = 0;
   for (size_t m = 0; m < call.flats.size(); ++m) {
     if (a.nseg == torch_ce_reduce::kMaxSegs) {
@@ -1296,6 +1347,72 @@ int64_t rs_query(const c10::intrusive_ptr<RsCall>& call) {
   return 3;
 }
 
+// Handles: Python holds a workspace or a call as an integer, not as a custom-class
+// object: converting a torch.ScriptObject argument or result costs ~15 us per op call on
+// an H200's host (run 64, bench/compare/rs_host_breakdown.py), several times the C++ work
+// of a call. Ids come from one counter; rs_forget drops either kind (Python's
+// native.Handle calls it when its last reference goes). A call's c10d work holds the
+// call itself, so forgetting the id never ends a call early.
+std::mutex g_rs_mu;
+std::unordered_map<int64_t, c10::intrusive_ptr<RsWorkspace>> g_rs_workspaces;
+std::unordered_map<int64_t, c10::intrusive_ptr<RsCall>> g_rs_calls;
+int64_t g_rs_next = 1;
+
+template <class T>
+c10::intrusive_ptr<T> rs_find(const std::unordered_map<int64_t, c10::intrusive_ptr<T>>& m, int64_t id,
+                              const char* what) {
+  std::lock_guard<std::mutex> lk(g_rs_mu);
+  auto it = m.find(id);
+  TORCH_CHECK(it != m.end(), "torch_ce: no reduce-scatter ", what, " with handle ", id);
+  return it->second;
+}
+
+int64_t rs_workspace_h(std::vector<int64_t> addrs, int64_t world, int64_t self, int64_t cap,
+                       c10::ScalarType dtype, int64_t device, int64_t copy_stream, int64_t reduce_stream) {
+  auto ws = rs_workspace(std::move(addrs), world, self, cap, dtype, device, copy_stream, reduce_stream);
+  std::lock_guard<std::mutex> lk(g_rs_mu);
+  const int64_t id = g_rs_next++;
+  g_rs_workspaces.emplace(id, std::move(ws));
+  return id;
+}
+
+std::tuple<int64_t, std::vector<at::Tensor>> rs_launch_h(int64_t ws, at::TensorList inputs, at::TensorList outs,
+                                                         int64_t half, int64_t seq, int64_t numel, int64_t tag,
+                                                         int64_t op, double factor, bool register_work) {
+  auto res = rs_launch(rs_find(g_rs_workspaces, ws, "workspace"), inputs, outs, half, seq, numel, tag, op, factor,
+                       register_work);
+  std::lock_guard<std::mutex> lk(g_rs_mu);
+  const int64_t id = g_rs_next++;
+  g_rs_calls.emplace(id, std::move(std::get<0>(res)));
+  return std::make_tuple(id, std::move(std::get<1>(res)));
+}
+
+void rs_complete_h(int64_t call, bool wait_current) { rs_complete(rs_find(g_rs_calls, call, "call"), wait_current); }
+void rs_stream_wait_h(int64_t call, int64_t stream) { rs_stream_wait(rs_find(g_rs_calls, call, "call"), stream); }
+void rs_register_h(int64_t call) { rs_register(rs_find(g_rs_calls, call, "call")); }
+int64_t rs_query_h(int64_t call) { return rs_query(rs_find(g_rs_calls, call, "call")); }
+
+void rs_forget(int64_t id) {
+  c10::intrusive_ptr<RsCall> call;  // released after the lock: its destructor returns events
+  c10::intrusive_ptr<RsWorkspace> ws;
+  std::lock_guard<std::mutex> lk(g_rs_mu);
+  auto c = g_rs_calls.find(id);
+  if (c != g_rs_calls.end()) {
+    call = std::move(c->second);
+    g_rs_calls.erase(c);
+  }
+  auto w = g_rs_workspaces.find(id);
+  if (w != g_rs_workspaces.end()) {
+    ws = std::move(w->second);
+    g_rs_workspaces.erase(w);
+  }
+}
+
+int64_t rs_handle_count() {
+  std::lock_guard<std::mutex> lk(g_rs_mu);
+  return static_cast<int64_t>(g_rs_calls.size() + g_rs_workspaces.size());
+}
+
 // The calling thread's stream-capture interaction mode set to relaxed; returns the old
 // mode. The reduce-scatter watchdog (a Python thread) queries events of calls launched
 // before a capture; under another thread's cudaStreamCaptureModeGlobal capture (the
@@ -1345,20 +1462,21 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("stream_write_value32(int addr, int value) -> ()", &stream_write_value32);
   m.def("stream_flags_info() -> int[]", &stream_flags_info);
   m.def("host_write_words(int addr, int value, int count, int width, int method) -> int", &host_write_words);
+  m.def("host_register(int addr, int nbytes) -> int", &host_register);
+  m.def("host_unregister(int addr) -> ()", &host_unregister);
   // NOTE [native reduce-scatter path]
-  m.class_<RsWorkspace>("RsWorkspace");
-  m.class_<RsCall>("RsCall");
   m.def("rs_workspace(int[] addrs, int world, int index, int cap, ScalarType dtype, int device, "
-        "int copy_stream, int reduce_stream) -> __torch__.torch.classes.torch_ce_native.RsWorkspace",
-        &rs_workspace);
-  m.def("rs_launch(__torch__.torch.classes.torch_ce_native.RsWorkspace ws, Tensor[] inputs, Tensor[] outs, "
-        "int half, int seq, int numel, int tag, int op, float factor, bool register_work) -> "
-        "(__torch__.torch.classes.torch_ce_native.RsCall, Tensor[])",
-        &rs_launch);
-  m.def("rs_complete(__torch__.torch.classes.torch_ce_native.RsCall call, bool wait_current) -> ()", &rs_complete);
-  m.def("rs_stream_wait(__torch__.torch.classes.torch_ce_native.RsCall call, int stream) -> ()", &rs_stream_wait);
-  m.def("rs_register(__torch__.torch.classes.torch_ce_native.RsCall call) -> ()", &rs_register);
-  m.def("rs_query(__torch__.torch.classes.torch_ce_native.RsCall call) -> int", &rs_query);
+        "int copy_stream, int reduce_stream) -> int",
+        &rs_workspace_h);
+  m.def("rs_launch(int ws, Tensor[] inputs, Tensor[] outs, int half, int seq, int numel, int tag, int op, "
+        "float factor, bool register_work) -> (int, Tensor[])",
+        &rs_launch_h);
+  m.def("rs_complete(int call, bool wait_current) -> ()", &rs_complete_h);
+  m.def("rs_stream_wait(int call, int stream) -> ()", &rs_stream_wait_h);
+  m.def("rs_register(int call) -> ()", &rs_register_h);
+  m.def("rs_query(int call) -> int", &rs_query_h);
+  m.def("rs_forget(int handle) -> ()", &rs_forget);
+  m.def("rs_handle_count() -> int", &rs_handle_count);
   m.def("rs_has_kernel() -> bool", &rs_has_kernel);
   m.def("relax_thread_capture_mode() -> int", &relax_thread_capture_mode);
   m.def("rs_timing(int mode) -> float[]", &rs_timing);

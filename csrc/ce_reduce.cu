@@ -115,6 +115,12 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(Args a, unsigned int v
   const int64_t nvec = vec ? seg.n / V : 0;
   const int64_t units = nvec + (seg.n - nvec * V);  // vectors, then the tail's elements
   const char* base = static_cast<const char*>(a.recv_half) + seg.off * static_cast<int64_t>(sizeof(T));
+  // The poison word (host-mapped flags only): one load per block, over PCIe.
+  __shared__ int poisoned;
+  if (threadIdx.x == 0)
+    poisoned = a.poison != nullptr && *static_cast<const volatile int*>(a.poison) == a.tag;
+  __syncthreads();
+  const bool bad = poisoned != 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
     if (u < nvec) {
@@ -126,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(Args a, unsigned int v
         for (int q = 0; q < V; ++q) acc[q] = j == 0 ? first(x[q], a.op, a.scale) : add(acc[q], x[q], a.op, a.scale);
       }
 #pragma unroll
-      for (int q = 0; q < V; ++q) acc[q] = finish(acc[q], a.op, a.scale);
+      for (int q = 0; q < V; ++q) acc[q] = bad ? __int_as_float(0x7FC00000) : finish(acc[q], a.op, a.scale);
       E::store_vec(seg.out, u, acc);
     } else {
       const int64_t k = nvec * V + (u - nvec);
@@ -136,7 +142,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(Args a, unsigned int v
         const float x = E::load(src, k);
         acc = j == 0 ? first(x, a.op, a.scale) : add(acc, x, a.op, a.scale);
       }
-      E::store(seg.out, k, finish(acc, a.op, a.scale));
+      E::store(seg.out, k, bad ? __int_as_float(0x7FC00000) : finish(acc, a.op, a.scale));
     }
   }
 }

@@ -56,24 +56,39 @@ def register_loopback(mine: torch.Tensor, peer: torch.Tensor, group, rank: int =
     return slot
 
 
-def loopback_workspaces(world: int, cap: int, dtype: torch.dtype, device="cuda") -> list:
+def loopback_workspaces(world: int, cap: int, dtype: torch.dtype, device="cuda", host_flags: bool | None = None) -> list:
     """``world`` reduce-scatter workspaces on one GPU, each "rank"'s peers the others
     (NOTE [reduce-scatter workspaces] in torch_ce/runtime/rs_workspace.py): what
     ``_open_cuda`` builds over symmetric memory, built from plain device tensors, so one
     process plays every rank of a call (launch each, then complete each: the order the
     protocol's waits need, NOTE [copy-engine reduce-scatter]). Each has its own pool key.
-    Used by test/test_reduce_scatter_cuda.py and, by path, bench/rs_cost.py."""
+    ``host_flags`` (default: ``rs_host_flags.wanted()``, as ``_open_cuda``): the flags,
+    headers and poison words in /dev/shm segments registered with CUDA by the runtime's own
+    ``rs_host_flags.open_group``. Used by test/test_reduce_scatter_cuda.py and, by path,
+    bench/rs_cost.py."""
+    import os
+    import uuid
+
+    from torch_ce.runtime import rs_host_flags as HF
     from torch_ce.runtime import rs_workspace as RW
 
     recvs = [torch.zeros(2, world, cap, dtype=dtype, device=device) for _ in range(world)]
-    flags = [torch.zeros(2, 2, world, dtype=torch.int32, device=device) for _ in range(world)]
-    heads = [torch.zeros(2, world, 2, dtype=torch.int32, device=device) for _ in range(world)]
-    for f in flags:
-        f[RW.FREE].fill_(1)
+    host = HF.wanted() if host_flags is None else host_flags
+    segs, poisons = [], [None] * world
+    if host:
+        token = uuid.uuid4().hex[:8]
+        segs = HF.open_group(None, [os.path.join("/dev/shm", f"torch_ce_test_rsf_{token}_{r}") for r in range(world)], 0)
+        flags, heads, poisons = [s.flags for s in segs], [s.head for s in segs], [s.poison for s in segs]
+    else:
+        flags = [torch.zeros(2, 2, world, dtype=torch.int32, device=device) for _ in range(world)]
+        heads = [torch.zeros(2, world, 2, dtype=torch.int32, device=device) for _ in range(world)]
+        for f in flags:
+            f[RW.FREE].fill_(1)
     torch.cuda.synchronize()
     key = ("loopback", id(recvs))
     return [RW.Workspace((tuple(range(world)), str(dtype), "cuda", key, r), r, cap, dtype, recvs[r], flags[r],
-                         recvs, flags, [], "", head=heads[r], peer_head=heads) for r in range(world)]
+                         recvs, flags, list(segs), "", head=heads[r], peer_head=heads, poison=poisons[r])
+            for r in range(world)]
 
 
 def loopback_reduce_scatter(wss: list, inputs: list, reduce_op: str = "sum", name: str = "loopback",

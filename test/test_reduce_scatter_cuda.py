@@ -21,7 +21,8 @@ waits need):
   slice before its push landed (the writer's flag write carries a memory barrier, on the
   stream that pushed: NOTE [stream flags]; DESIGN "Flag waits observe the data").
 - ``test_dead_peer_releases_the_host``: in a subprocess with a hard timeout, with and
-  without ``CUDA_DEVICE_MAX_CONNECTIONS=1``: "rank 0" completes a call "rank 1" never
+  without ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (there the native path on host-mapped flags,
+  and under the default queues those forced too): "rank 0" completes a call "rank 1" never
   pushes, and the host sits in ``torch.cuda.synchronize()``: it returns within
   ``rs_timeout_s`` plus a margin (the watchdog released the wait), the outputs are NaN,
   the next call raises naming the bucket and the peer; a call whose peer pushed another
@@ -33,9 +34,11 @@ waits need):
   (NaN outputs) and its next call raises naming the bucket; the late rank's stream is
   released at its peer's abort and its next call raises too; then fresh calls are exact.
 
-The loopback tests run twice: on the Python launch and completion, and with
+The loopback tests run three times: on the Python launch and completion, with
 ``config.rs_native`` on the C++ ones with the fused reduction kernel (NOTE [native
-reduce-scatter path] in csrc/ce_ops.cu; skipped where the library lacks them).
+reduce-scatter path] in csrc/ce_ops.cu; skipped where the library lacks them), and those
+with ``config.rs_host_flags`` (flags, headers and poison words in registered /dev/shm
+segments: what one hardware queue gets, NOTE [poison word]).
 ``test_native_runs_one_reduction_kernel`` profiles a native call: the pushes' memcpys, and
 exactly one kernel per rank and call, the reduction (``reduce_kernel``: the CUDA one, or
 the Triton one in a library built without nvcc).
@@ -57,16 +60,23 @@ from cuda_helpers import loopback_reduce_scatter, loopback_workspaces, needs_gpu
 pytestmark = needs_gpu_and_kernels
 
 
-@pytest.fixture(params=[False, True], ids=["python", "native"])
+@pytest.fixture(params=["python", "native", "native_host_flags"])
 def rs_native(request):
-    """Each loopback test on the Python path and on the native one (config.rs_native)."""
+    """Each loopback test on the Python path, on the native one (config.rs_native), and on
+    the native one with host-mapped flags (config.rs_host_flags: what one hardware queue
+    gets; NOTE [poison word] in csrc/ce_ops.cu)."""
     import torch_ce
     from torch_ce.runtime import native
+    from torch_ce.runtime import rs_host_flags as HF
 
-    if request.param and not native.has_rs_native():
+    on = request.param != "python"
+    if on and not native.has_rs_native():
         pytest.skip("the library has no native reduce-scatter (rebuild csrc/)")
-    with torch_ce.config.patch(rs_native=request.param):
-        yield request.param
+    host = True if request.param == "native_host_flags" else None
+    with torch_ce.config.patch(rs_native=on, rs_host_flags=host):
+        if host and HF.unavailable():
+            pytest.skip(f"no host-mapped flags here: {HF.unavailable()}")
+        yield on
 
 
 def _documented(xs_by_rank: list, r: int, w: int, op: str) -> list:
@@ -99,9 +109,16 @@ def _inputs(w, dtype, gen, coalesced, rows=6):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_loopback_exact(world, rs_native):
+    import gc
+
+    from torch_ce.runtime import native
+
     gen = torch.Generator(device="cuda").manual_seed(11 + world)
+    held = native.rs_handle_count() if rs_native else 0
+    keys = set()
     for dtype in (torch.float32, torch.bfloat16):
         wss = loopback_workspaces(world, 4096, dtype)
+        keys |= {(ws.key, ws.gen) for ws in wss}
         start = [ws.flags.clone() for ws in wss]
         for call in range(10):
             op = "avg" if call % 3 == 2 else "sum"
@@ -124,6 +141,17 @@ def test_loopback_exact(world, rs_native):
                     assert torch.equal(outs[r][0], xs[0][0].chunk(2)[r] + xs[1][0].chunk(2)[r])
         for ws, f in zip(wss, start, strict=True):
             assert torch.equal(ws.flags, f), (ws.flags, f)  # every flag back where it began
+    if rs_native:  # every C++ call and workspace forgotten once Python drops them
+        del wss, outs, xs
+        time.sleep(0.2)  # the watchdog lets go of the done calls
+        gc.collect()
+        from torch_ce.runtime import reduce_scatter as RS
+
+        # A call still owed its completion (the pool's next call completes it) holds its
+        # C++ call and, through its workspace, the workspace's: nothing else is left.
+        calls = [c for k in keys for c in RS._pending.get(k, {}).values() if c.native is not None]
+        owed = len(calls) + len({id(c.ws) for c in calls if c.ws.native is not None})
+        assert native.rs_handle_count() == held + owed, (native.rs_handle_count(), held, owed)
 
 
 def test_capture_and_replays(rs_native):
@@ -279,7 +307,11 @@ def test_dead_peer_child():
     from torch_ce.runtime import reduce_scatter as RS
     from torch_ce.runtime.rs_workspace import ReduceScatterError
 
-    torch_ce.config.update(rs_timeout_s=2.0, rs_native=os.environ.get("CE_TEST_RS_NATIVE") == "1")
+    torch_ce.config.update(rs_timeout_s=2.0, rs_native=os.environ.get("CE_TEST_RS_NATIVE") == "1",
+                           rs_host_flags=True if os.environ.get("CE_TEST_HOST_FLAGS") == "1" else None)
+    from torch_ce.runtime import rs_host_flags as HF
+
+    host = HF.wanted()  # one queue with the native path: host-mapped flags, as the op would
     w, dtype = 2, torch.float32
     gen = torch.Generator(device="cuda").manual_seed(3)
     wss = loopback_workspaces(w, 1 << 16, dtype)
@@ -328,21 +360,33 @@ def test_dead_peer_child():
         for r in range(w):
             for o, e in zip(outs[r], _documented(xs, r, w, "sum"), strict=True):
                 assert torch.equal(o, e), (call, r)
-    print(f"DEAD_PEER released after {took:.2f} s; mismatch released after {took2:.2f} s")
+    print(f"DEAD_PEER released after {took:.2f} s; mismatch released after {took2:.2f} s; "
+          f"host-mapped flags {host}")
 
 
-@pytest.mark.parametrize("connections", ["default", pytest.param("1", marks=pytest.mark.xfail(
-    strict=True, reason="one hardware queue: the watchdog's flag write on its own stream queues "
-    "behind the blocked wait (one H200, torch 2.11: hung to the hard timeout); releasing it needs "
-    "flags the host can store to (host-mapped memory), not built yet; until then the op keeps the "
-    "collective under one queue (rs_workspace.one_queue_refusal)"))])
-@pytest.mark.parametrize("path", ["python", "native"])
+@pytest.mark.parametrize("connections", ["default", "1"])
+@pytest.mark.parametrize("path", ["python", "native", "native_host_flags"])
 def test_dead_peer_releases_the_host(connections, path):
+    """Default queues: device flags, released by the watchdog's own-stream writes (both
+    paths), and host-mapped flags forced (native). One queue: the native path takes
+    host-mapped flags (a host store releases the wait, the kernel reads the poison word);
+    the Python path is not run there: the op keeps the collective
+    (rs_workspace.one_queue_refusal; test_reduce_scatter_faults_host)."""
     from torch_ce.runtime import native
+    from torch_ce.runtime import rs_host_flags as HF
 
-    if path == "native" and not native.has_rs_native():
+    if path != "python" and not native.has_rs_native():
         pytest.skip("the library has no native reduce-scatter (rebuild csrc/)")
-    env = dict(os.environ, CE_TEST_DEAD_PEER="1", CE_TEST_RS_NATIVE="1" if path == "native" else "0")
+    if path == "python" and connections == "1":
+        pytest.skip("one queue: the op keeps the collective on the Python path (one_queue_refusal)")
+    if path != "python" and connections == "1" or path == "native_host_flags":
+        import torch_ce
+
+        with torch_ce.config.patch(rs_native=True):
+            if HF.unavailable():
+                pytest.skip(f"no host-mapped flags here: {HF.unavailable()}")
+    env = dict(os.environ, CE_TEST_DEAD_PEER="1", CE_TEST_RS_NATIVE="1" if path != "python" else "0",
+               CE_TEST_HOST_FLAGS="1" if path == "native_host_flags" else "0")
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     if connections == "1":
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
@@ -354,7 +398,9 @@ def test_dead_peer_releases_the_host(connections, path):
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"hung (CUDA_DEVICE_MAX_CONNECTIONS={connections}): {str(e.stdout)[-2000:]} {str(e.stderr)[-2000:]}")
     assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
-    print(f"connections {connections}: " + " ".join(ln for ln in p.stdout.splitlines() if "DEAD_PEER" in ln))
+    line = " ".join(ln for ln in p.stdout.splitlines() if "DEAD_PEER" in ln)
+    assert line.endswith(f"host-mapped flags {connections == '1' or path == 'native_host_flags'}"), line
+    print(f"connections {connections}: {line}")
 
 
 def _two_gpus(rank, world, seed):

@@ -193,6 +193,11 @@ def _killed(rank, world, seed, where, out_dir):
     try:
         if where == "workspace":
             torch_ce.reduce_scatter(torch.randn(2 * 64), dist.group.WORLD)
+        elif where == "host_flags":  # a CUDA workspace's host-mapped flag segments (unregistered here)
+            from torch_ce.runtime import rs_host_flags as HF
+
+            rnd = agreement.Round((0, 1), rank, 2.0, 2.0, what="flags_test")
+            HF.open_group(rnd, [f"/dev/shm/tcek{seed}_flags_{j}" for j in range(2)], rank, register=False)
         else:
             from torch_ce.runtime.windows import Window
 
@@ -208,7 +213,7 @@ def _killed(rank, world, seed, where, out_dir):
     os._exit(0)
 
 
-@pytest.mark.parametrize("where", ["workspace", "windows"])
+@pytest.mark.parametrize("where", ["workspace", "windows", "host_flags"])
 def test_a_killed_rank_leaves_no_segment(where, tmp_path):
     seed = seed_base()
     with pytest.raises(pytest.fail.Exception, match="exited with code 0 without reporting"):
@@ -216,7 +221,7 @@ def test_a_killed_rank_leaves_no_segment(where, tmp_path):
     created = (tmp_path / "created").read_text()
     survivor = json.loads((tmp_path / "survivor").read_text())
     assert created.startswith(f"/dev/shm/tcek{seed}_"), created
-    want = "ReduceScatterError" if where == "workspace" else "BindError"
+    want = {"workspace": "ReduceScatterError", "windows": "BindError", "host_flags": "BindError"}[where]
     assert survivor["error"].startswith(want) and survivor["took"] < 2.0 + 3.0, survivor
     assert not os.path.exists(created)
     assert not glob.glob(f"/dev/shm/tcek{seed}_*"), glob.glob(f"/dev/shm/tcek{seed}_*")
@@ -247,16 +252,67 @@ def test_a_host_that_is_not_x86_keeps_the_collective():
 
 
 def test_one_hardware_queue_keeps_the_collective(monkeypatch):
-    """Under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` the watchdog could not release a dead peer's
-    stream wait (run 60): CUDA reduce-scatters stay on the collective, with the reason;
-    any other setting keeps the copy engines."""
+    """Under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` only a host store releases a dead peer's
+    stream wait (run 60), so CUDA reduce-scatters use host-mapped flags there, which need
+    the native completion's reduction kernel (it reads the poison word): without it, or
+    with ``rs_host_flags=False``, they stay on the collective, with the reason; any other
+    setting keeps the copy engines on device flags."""
+    import torch_ce
+    from torch_ce.runtime import rs_host_flags as HF
     from torch_ce.runtime import rs_workspace as RW
 
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setattr(HF, "unavailable", lambda: "the library was built without nvcc")
     why = RW.one_queue_refusal()
-    assert why and "CUDA_DEVICE_MAX_CONNECTIONS=1" in why and "hang" in why, why
+    assert not HF.wanted()
+    assert why and "CUDA_DEVICE_MAX_CONNECTIONS=1" in why and "hang" in why and "without nvcc" in why, why
+    monkeypatch.setattr(HF, "unavailable", lambda: None)  # a build with the kernel
+    assert HF.wanted() and RW.one_queue_refusal() is None
+    with torch_ce.config.patch(rs_host_flags=False):
+        why = RW.one_queue_refusal()
+        assert not HF.wanted() and why and "rs_host_flags is False" in why, why
     for v in ("8", "32"):
         monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", v)
-        assert RW.one_queue_refusal() is None
+        assert RW.one_queue_refusal() is None and not HF.wanted()
+        with torch_ce.config.patch(rs_host_flags=True):
+            assert HF.wanted()  # forced (the GPU tests run them under the default queues too)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     assert RW.one_queue_refusal() is None
+
+
+def _flag_segments(rank, world, seed):
+    """Every rank opens the group's host-mapped flag segments (one Round), writes a fresh
+    word into each peer's segment, and reads what each peer wrote into its own."""
+    from torch_ce.runtime import agreement
+    from torch_ce.runtime import rs_host_flags as HF
+
+    ranks = tuple(range(world))
+    rnd = agreement.Round(ranks, rank, 10.0, 10.0, what="flags_test")
+    paths = [f"/dev/shm/tcef{seed}_flags_{j}" for j in range(world)]
+    segs = HF.open_group(rnd, paths, rank, register=False)
+    start = (segs[rank].flags.clone().tolist(), segs[rank].head.tolist(), segs[rank].poison.tolist())
+    rnd.exchange("read", True)
+    left = [p for p in paths if os.path.exists(p)]  # every owner unlinked its own by now
+    for j in ranks:
+        if j != rank:
+            segs[j].head[1, rank, 0] = seed % 1000 + 10 * rank + j  # what rank j reads from this rank
+    rnd.exchange("written", True)
+    got = {j: int(segs[rank].head[1, j, 0]) for j in ranks if j != rank}
+    return start, got, left
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_host_flag_segments_are_shared_and_leave_no_name(world):
+    """The host-mapped flag segments of a CUDA workspace (runtime/rs_host_flags.py), opened
+    by gloo ranks as ``_open_cuda`` opens them (without the CUDA registration): every rank
+    starts with its free flags set and the rest zero, sees what each peer stored into its
+    segment, and no name is left in /dev/shm after the round."""
+    seed = seed_base()
+    res = run_ranks(_flag_segments, world, seed, timeout=60)
+    for rank, (start, got, left) in enumerate(res):
+        flags, head, poison = start
+        assert flags == [[[0] * world] * 2, [[1] * world] * 2] and poison == [0, 0], start
+        assert not any(v for half in head for pair in half for v in pair), head
+        assert got == {j: seed % 1000 + 10 * j + rank for j in range(world) if j != rank}, (rank, got)
+        assert left == [], left
+    assert not glob.glob(f"/dev/shm/tcef{seed}_*")

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 # graph: left out of the compile-cache key.
 RUN_TIME_ONLY = ("cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "cuda_torch_fallback",
                  "shm_prefix", "rs_workspace_cap_mib", "rs_timeout_s", "eager_gathers",
-                 "rs_native")
+                 "rs_native", "rs_host_flags")
 TRANSPORTS = ("nccl", "copy_engine")
 REDUCE_SCATTERS = ("collective", "copy_engine")
 _SHM_PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
@@ -103,6 +103,13 @@ class Config:
     # it has them; off: the Python launch and completion (verified exact on an H200 in
     # loopback, run 62: the default).
     rs_native: bool = True
+    # Where a CUDA reduce-scatter's flags live: device memory (False), or host memory every
+    # rank maps (True: /dev/shm, cudaHostRegister'ed), which a host store can always write,
+    # so the watchdog releases a dead peer's wait even when every stream shares one
+    # hardware queue (NOTE [poison word] in csrc/ce_ops.cu). None (auto): host memory under
+    # CUDA_DEVICE_MAX_CONNECTIONS=1, where the native path with its reduction kernel
+    # serves; device memory otherwise.
+    rs_host_flags: bool | None = None
     # Gathers outside compiled graphs (SimpleFSDP's parametrization run eagerly: a graph
     # break, activation checkpointing's re-run in backward, an eager evaluation) read
     # windows too, with the transport "copy_engine" (NOTE [eager gathers] in
@@ -128,6 +135,8 @@ class Config:
         for name in ("bind_timeout_s", "bind_arrival_timeout_s", "rs_workspace_cap_mib", "rs_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"torch_ce: {name} must be > 0, got {getattr(self, name)!r}")
+        if self.rs_host_flags not in (None, True, False):
+            raise ValueError(f"torch_ce: rs_host_flags must be True, False or None (auto), got {self.rs_host_flags!r}")
         if self.reshard_after_forward not in (None, True, False):
             raise ValueError("torch_ce: reshard_after_forward must be True, False or None (auto), "
                              f"got {self.reshard_after_forward!r}")

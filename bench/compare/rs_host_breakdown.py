@@ -96,9 +96,12 @@ def main() -> None:
     ops = torch.ops.torch_ce_native
     handle = RS.launch(wss[0], xs[0], "sum", "q").native
     RS.complete(RS.launch(wss[1], xs[1], "sum", "q"))
+    flat = xs[0][0].view(-1)
     for label, fn in (("torch.ops no-arg (rs_has_kernel)", lambda: ops.rs_has_kernel()),
-                      ("torch.ops custom-class arg (rs_query)", lambda: ops.rs_query(handle)),
+                      ("torch.ops int-handle arg (rs_query)", lambda: ops.rs_query(handle.id)),
                       ("direct op (native.rs_query)", lambda: native.rs_query(handle)),
+                      ("direct op, Tensor(a!) + Tensor[] args (peer_copy_into, no rows)",
+                       lambda: native._raw("peer_copy_into")(flat, [], [])),
                       ("torch.cuda.is_current_stream_capturing", torch.cuda.is_current_stream_capturing),
                       ("torch.cuda.current_stream", torch.cuda.current_stream)):
         for _ in range(100):

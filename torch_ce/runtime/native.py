@@ -368,6 +368,16 @@ def host_write_words(addr: int, value: int, count: int, width: int, method: int)
                                                           int(method)))
 
 
+def host_register(addr: int, nbytes: int) -> int:
+    """Page-locks and maps ``nbytes`` of host memory at ``addr`` for the device
+    (cudaHostRegister): its device address (NOTE [poison word] in csrc/ce_ops.cu)."""
+    return int(torch.ops.torch_ce_native.host_register(int(addr), int(nbytes)))
+
+
+def host_unregister(addr: int) -> None:
+    torch.ops.torch_ce_native.host_unregister(int(addr))
+
+
 # NOTE [native reduce-scatter path] in csrc/ce_ops.cu: the reduce-scatter's launch and
 # completion in C++ (``config.rs_native``); runtime/reduce_scatter.py decides when.
 RS_OPS = {"sum": 0, "avg": 1}
@@ -378,10 +388,9 @@ _RAW: dict = {}
 
 
 def _raw(name: str):
-    """The library op ``name`` called without torch.ops' Python check for fake script
-    objects: an op that takes a custom class (RsWorkspace, RsCall) makes
-    ``OpOverloadPacket.__call__`` walk every argument first (~20 us per call on an H200's
-    host, run 63), where the op itself costs a few. Eager calls only: nothing traces these."""
+    """The library op ``name`` called as the builtin torch.ops wraps: no Python-level
+    checks per call (host microseconds each, run 63). Eager calls only: nothing traces
+    these."""
     f = _RAW.get(name)
     if f is None:
         packet = getattr(torch.ops.torch_ce_native, name)
@@ -432,34 +441,57 @@ def peer_copy_into(out: torch.Tensor, srcs: list, rows: list) -> None:
     torch.ops.torch_ce_native.peer_copy_into(out, srcs, rows)
 
 
+class Handle:
+    """A C++ reduce-scatter workspace or call, held by its integer id (csrc/ce_ops.cu
+    "Handles": a custom-class object costs ~15 us to pass through an op call); the C++
+    side forgets it when this, its last Python reference, goes."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, id_: int):
+        self.id = id_
+
+    def __del__(self):
+        try:
+            _raw("rs_forget")(self.id)
+        except Exception:  # noqa: BLE001 (interpreter teardown: the library may be gone)
+            pass
+
+
+def rs_handle_count() -> int:
+    """C++ workspaces and calls still held by a Handle (a leak check for the tests)."""
+    return int(_raw("rs_handle_count")())
+
+
 def rs_workspace(addrs: list[int], world: int, index: int, cap: int, dtype: torch.dtype, device: int,
-                 copy_stream: int, reduce_stream: int):
+                 copy_stream: int, reduce_stream: int) -> Handle:
     """The C++ view of a workspace: its address tables (NOTE [native reduce-scatter path])."""
-    return torch.ops.torch_ce_native.rs_workspace([int(a) for a in addrs], int(world), int(index), int(cap),
-                                                  dtype, int(device), int(copy_stream), int(reduce_stream))
+    return Handle(torch.ops.torch_ce_native.rs_workspace([int(a) for a in addrs], int(world), int(index), int(cap),
+                                                         dtype, int(device), int(copy_stream), int(reduce_stream)))
 
 
-def rs_launch(ws, inputs, outs, half: int, seq: int, numel: int, tag: int, op: int, factor: float,
+def rs_launch(ws: Handle, inputs, outs, half: int, seq: int, numel: int, tag: int, op: int, factor: float,
               register_work: bool):
-    """Step 1 of a call in C++: (the call's C++ handle, its outputs)."""
-    return _raw("rs_launch")(ws, inputs, outs, half, seq, numel, tag, op, factor, register_work)
+    """Step 1 of a call in C++: (the call's Handle, its outputs)."""
+    cid, outs = _raw("rs_launch")(ws.id, inputs, outs, half, seq, numel, tag, op, factor, register_work)
+    return Handle(cid), outs
 
 
-def rs_complete(call, wait_current: bool) -> None:
+def rs_complete(call: Handle, wait_current: bool) -> None:
     """Steps 2-4 in C++, once; ``wait_current``: the current stream then waits for them."""
-    _raw("rs_complete")(call, wait_current)
+    _raw("rs_complete")(call.id, wait_current)
 
 
-def rs_stream_wait(call, stream: int) -> None:
+def rs_stream_wait(call: Handle, stream: int) -> None:
     """The stream (a ``cuda_stream`` integer) waits for the call's completion (enqueued first)."""
-    _raw("rs_stream_wait")(call, int(stream))
+    _raw("rs_stream_wait")(call.id, int(stream))
 
 
-def rs_query(call) -> int:
+def rs_query(call: Handle) -> int:
     """0 launched, 1 completion being enqueued, 2 its done event recorded, 3 done."""
-    return int(_raw("rs_query")(call))
+    return int(_raw("rs_query")(call.id))
 
 
-def rs_register(call) -> None:
+def rs_register(call: Handle) -> None:
     """The call's c10d work on its outputs (their ``wait_tensor`` completes it)."""
-    _raw("rs_register")(call)
+    _raw("rs_register")(call.id)

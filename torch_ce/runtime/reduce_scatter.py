@@ -278,6 +278,9 @@ def launch(ws: RW.Workspace, inputs: Sequence[torch.Tensor], reduce_op: str, nam
     numel, sig_text = sig or RW.signature(inputs, reduce_op, w)
     if inputs[0].is_cuda and _native():
         return _launch_native(ws, inputs, reduce_op, name, numel, sig_text, outs, register, pkey, h)
+    if ws.poison is not None:  # only the native completion's kernel reads the poison word
+        raise ReduceScatterError(f"torch_ce: reduce-scatter {name}: a workspace with host-mapped flags "
+                                 "needs the native path (config.rs_native and the C++ reduction kernel)")
     flat = [x.contiguous().view(-1) for x in inputs]
     ns = [f.numel() // w for f in flat]
     if outs is None:
@@ -432,6 +435,8 @@ def _native_workspace(ws: RW.Workspace):
              + table(peer(lambda h, j: ws.peer_head[j][h, i, 1]))
              + table(peer(lambda h, j: ws.peer_recv[j][h, i]))
              + table(lambda h, j: ws.recv[h, j]))
+    if ws.poison is not None:  # host-mapped flags: the kernel reads each half's poison word
+        addrs += [int(ws.poison[0].data_ptr()), int(ws.poison[1].data_ptr())]
     copy_stream, reduce_stream = _streams(ws.recv.device)
     ws.native = native.rs_workspace(addrs, w, i, ws.cap, ws.dtype, ws.recv.device.index,
                                     copy_stream.cuda_stream, reduce_stream.cuda_stream)
@@ -585,7 +590,10 @@ def _register(call: Call) -> None:
 # the host thread that makes it (the probe's first run hung there), and the watchdog still
 # releases the call. The release ran end to end on an H200 under the default queues (run
 # 60); under CUDA_DEVICE_MAX_CONNECTIONS=1 the own-stream writes queue behind the blocked
-# wait, so the op refuses that setting (docs/DESIGN.md "No hang"). The watchdog's thread
+# wait, so there the workspace's words are host-mapped (runtime/rs_host_flags.py) and the
+# release is host stores: the call's tag into its half's poison word, then the awaited
+# flags; the reduction kernel behind the waits reads the poison and writes NaN (NOTE
+# [poison word] in csrc/ce_ops.cu; run 66: released at rs_timeout_s). The watchdog's thread
 # runs in CUDA's relaxed stream-capture mode: its event queries would otherwise invalidate
 # a CUDA graph another thread captures in the default (global) mode (run 61: bench/
 # rs_cost.py's capture failed so; test_capture_while_the_watchdog_polls).
@@ -624,9 +632,9 @@ def _prepare_watch(ws: RW.Workspace) -> None:
     """Once per workspace, before any of its waits is enqueued: the watchdog's side
     stream and pinned copies of the flags (a page-locked allocation may wait for the
     device, so the watchdog never makes one, and none is made behind a blocked wait)."""
-    if ws.host_words is not None or torch.cuda.is_current_stream_capturing():
-        return
-    dev = ws.flags.device
+    if ws.host_words is not None or ws.poison is not None or torch.cuda.is_current_stream_capturing():
+        return  # (host-mapped flags are read in place)
+    dev = ws.recv.device
     side = _SIDE.get(dev.index)
     if side is None:
         side = _SIDE[dev.index] = torch.cuda.Stream(device=dev)
@@ -725,7 +733,10 @@ def _native_stage(call: Call) -> int:
 
 def _read_words(ws: RW.Workspace) -> tuple | None:
     """This rank's flags and header as host lists, by a copy on a side stream, or None
-    when that copy does not finish within a second (diagnostics only)."""
+    when that copy does not finish within a second (diagnostics only); host-mapped flags
+    in place (under one queue a side-stream copy would wait behind the blocked wait)."""
+    if ws.poison is not None:
+        return ws.flags.tolist(), ws.head.tolist()
     if ws.host_words is None:
         return None
     try:
@@ -752,7 +763,7 @@ def _release(call: Call, why: str) -> None:
 
     ws = call.ws
     ranks, h = ws.key[0], call.half
-    with torch.cuda.device(ws.flags.device):
+    with torch.cuda.device(ws.recv.device):
         words = _read_words(ws)
         stuck = [(k, j, v) for k, hh, j, v in _waits(call) if hh == h]
         names = []
@@ -782,10 +793,17 @@ def _release(call: Call, why: str) -> None:
             ws.failed = msg
         RW.post_abort(ranks, ws.gen, f"rank {ranks[ws.index]}: {msg}")
         log.error("%s", msg)
+        if ws.poison is not None:  # host-mapped flags (NOTE [poison word] in csrc/ce_ops.cu): host
+            ws.poison[h] = call.tag  # stores, the poison first (x86 store order): the kernel
+            for kind, j, value in stuck:  # behind the waits reads it and writes NaN
+                ws.flags[kind, h, j] = value
+            for j in range(ws.group_size):
+                if j != ws.index and not mismatch:
+                    ws.peer_flags[j][DATA, h, ws.index] = RETRACT
         fill, width = _NAN[ws.dtype]
         # Both paths are asynchronous (measured: a synchronous write queues behind the
         # blocked stream or blocks its caller), so the watchdog never blocks.
-        for kind, j, value in stuck:  # stream order: the launch's free waits, then the data waits
+        for kind, j, value in ([] if ws.poison is not None else stuck):  # stream order: the launch's free waits, then the data waits
             rc = 0
             if kind == DATA:
                 rc = native.host_write_words(ws.recv[h, j].data_ptr(), fill, call.numel, width, 2)
@@ -793,7 +811,7 @@ def _release(call: Call, why: str) -> None:
             if rc:
                 raise ReduceScatterError(f"torch_ce: {call.what}: the watchdog's write failed (CUresult {rc})")
         for j in range(ws.group_size):  # a mismatch is symmetric: the peer sees it too
-            if j != ws.index and not mismatch:
+            if j != ws.index and not mismatch and ws.poison is None:
                 try:
                     native.host_write_words(ws.peer_flags[j][DATA, h, ws.index].data_ptr(), RETRACT, 1, 4, 2)
                 except Exception:  # noqa: BLE001 (a peer's memory may be gone with it)

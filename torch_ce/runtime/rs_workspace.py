@@ -106,6 +106,7 @@ class Workspace:
     failed: str = ""  # why its last call failed (CUDA: set by the watchdog); the pool is then dead
     host_words: object = None  # CUDA: the watchdog's side stream and pinned copies of flags, head
     native: object = None  # CUDA, rs_native: the C++ view of its addresses (reduce_scatter._native_workspace)
+    poison: torch.Tensor | None = None  # CUDA, host-mapped flags: int32 [2 (half)] (rs_host_flags.py)
 
     @property
     def group_size(self) -> int:
@@ -197,17 +198,20 @@ def host_order_refusal() -> str | None:
 
 
 def one_queue_refusal() -> str | None:
-    """Why a CUDA reduce-scatter stays on the collective under one hardware queue: the
-    watchdog's release of a dead peer's wait (NOTE [reduce-scatter watchdog]) is enqueued
-    on a stream, which ``CUDA_DEVICE_MAX_CONNECTIONS=1`` puts behind the blocked wait, so a
-    dead peer would hang the host (measured on an H200, docs/DESIGN.md "No hang"). None
-    otherwise. Read from the environment the driver read: the same on every rank a
-    launcher starts alike."""
-    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1":
-        return ("CUDA_DEVICE_MAX_CONNECTIONS=1: a dead peer's stream wait could not be released "
-                "(the watchdog's write would queue behind it on the one hardware queue), so the "
-                "copy-engine reduce-scatter would not be hang-free")
-    return None
+    """Why a CUDA reduce-scatter stays on the collective under one hardware queue: there
+    only a host store releases a dead peer's stream wait, so the flags must live in host
+    memory, and only the native completion's reduction kernel reads the poison word that
+    keeps the released call's outputs NaN (runtime/rs_host_flags.py). None where that
+    serves, or with more than one queue."""
+    from . import rs_host_flags as HF
+
+    if not HF.one_queue() or HF.wanted():
+        return None
+    why = ("config.rs_host_flags is False" if config.rs_host_flags is False
+           else HF.unavailable() or "host-mapped flags are off")
+    return ("CUDA_DEVICE_MAX_CONNECTIONS=1: a dead peer's stream wait could only be released "
+            f"through host-mapped flags, and {why}, so the copy-engine reduce-scatter would not be "
+            "hang-free")
 
 
 def _capacity(need: int, group_size: int, dtype: torch.dtype) -> int | None:
@@ -385,10 +389,16 @@ def _open_cuda(key, ranks, index, cap, dtype, name, device, sig, old: Workspace 
     the device is bounded (``_bounded_sync``)."""
     import torch.distributed._symmetric_memory as symm_mem
 
+    from . import rs_host_flags as HF
+
     what = f"the reduce-scatter workspace round of {name}"
+    host = HF.wanted()
+    if host and HF.unavailable() is not None:
+        raise ReduceScatterError(f"torch_ce: {what}: host-mapped flags (rs_host_flags) need the native "
+                                 f"completion's reduction kernel: {HF.unavailable()}")
     _bounded_sync(device, what)
     rnd = _round(ranks)
-    _agree(rnd, key, ranks, cap, name, sig, old)
+    everyone = _agree(rnd, key, ranks, cap, name, sig, old)
     pg = _process_group(ranks)
     flag_bytes, nbytes = _layout(len(ranks), cap, dtype)
     buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
@@ -409,11 +419,25 @@ def _open_cuda(key, ranks, index, cap, dtype, name, device, sig, old: Workspace 
     flags.zero_()
     head.zero_()
     flags[FREE].fill_(1)
+    handles, poison = [buf, hdl], None
+    if host:  # the words in host memory every rank maps; the slices stay where they are
+        from .host import SHM_DIR, segment_name
+
+        job, gen = everyone[min(everyone)]["token"], _gen(rnd)
+        try:
+            segs = HF.open_group(rnd, [os.path.join(SHM_DIR, segment_name(job, ranks, key[1], 0, j) + f"_g{gen}_flags")
+                                       for j in range(w)], index)
+        except HF.Unmappable as e:
+            rnd.abort(f"torch_ce: {what}: {e}")
+            raise ReduceScatterError(f"torch_ce: {what}: {e}") from e
+        handles += segs
+        peer = [(p[0], s.flags, s.head) for p, s in zip(peer, segs, strict=True)]
+        flags, head, poison = segs[index].flags, segs[index].head, segs[index].poison
     _bounded_sync(device, what)
     rnd.exchange("ready", True)
     return Workspace(key, index, cap, dtype, recv, flags, [p[0] for p in peer], [p[1] for p in peer],
-                     [buf, hdl], "", calls=old.calls if old else 0, head=head,
-                     peer_head=[p[2] for p in peer], gen=_gen(rnd))
+                     handles, "", calls=old.calls if old else 0, head=head,
+                     peer_head=[p[2] for p in peer], gen=_gen(rnd), poison=poison)
 
 
 def _process_group(ranks: tuple):
