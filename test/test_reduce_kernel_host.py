@@ -233,7 +233,7 @@ def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):
     ws = types.SimpleNamespace(failed="", key=((0, 1),), gen=1)
     calls = {}
     for h in ("a", "b"):
-        calls[h] = RS.Call(ws, 0, [], [], [], [], "sum", h, h, 0, recorded=True, native=h)
+        calls[h] = RS.Call(ws, 0, [], [], [], [], "sum", h, 0, recorded=True, native=h)
         calls[h].done = RS._NativeDone(h)
     with torch_ce.config.patch(rs_timeout_s=0.3):
         for c in calls.values():

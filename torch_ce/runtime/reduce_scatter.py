@@ -6,7 +6,6 @@ group), without a collective and without a barrier (the workspaces and flags: NO
 [reduce-scatter workspaces] in rs_workspace.py). Each input is cut in W equal chunks
 along dim 0, as ``reduce_scatter_tensor`` does; a bucket's slice for rank j is its
 inputs' chunks j, back to back. Call n of the pool uses half h = n % 2, in two phases:
-
   launch (the op)
     1. push     for each peer j, from i+1 on (so the ranks do not all start at rank 0):
                 wait free[h, j] (j reduced what i pushed into its half h two calls ago),
@@ -63,6 +62,8 @@ from typing import Sequence
 
 import torch
 
+from ..config import config
+from . import native
 from . import rs_workspace as RW
 from .rs_workspace import DATA, FREE, RETRACT, ReduceScatterError
 
@@ -188,8 +189,6 @@ class _Cuda:
 
     @staticmethod
     def wait(ws, kind: int, half: int, peer: int, call: "Call") -> None:
-        from . import native
-
         expect = call.tag if kind == DATA else 1
         addr = ws.flags[kind, half, peer].data_ptr()
         native.stream_wait_value32(addr, expect)  # EQ: another call's tag never satisfies it
@@ -198,14 +197,10 @@ class _Cuda:
 
     @staticmethod
     def signal_free(ws, peer: int, half: int, sender: int) -> None:
-        from . import native
-
         native.stream_write_value32(ws.peer_flags[peer][FREE, half, sender].data_ptr(), 1)
 
     @staticmethod
     def signal_data(ws, peer: int, half: int, sender: int, call: "Call") -> None:
-        from . import native
-
         head = ws.peer_head[peer][half, sender]
         native.stream_write_value32(head[0].data_ptr(), call.seq)
         native.stream_write_value32(head[1].data_ptr(), call.numel)
@@ -218,7 +213,7 @@ class _Cuda:
 # One call: launch, then complete
 # ---------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Call:
     """One reduce-scatter between its launch and its completion (its wait)."""
 
@@ -229,7 +224,6 @@ class Call:
     ns: list
     outs: list
     reduce_op: str
-    what: str
     name: str
     nbytes: int
     seq: int = 0  # the call's number in its pool's generation (1, 2, ...)
@@ -242,6 +236,12 @@ class Call:
     waits: list = dataclasses.field(default_factory=list)  # CUDA: (kind, half, peer, value) enqueued
     native: object = None  # rs_native: the C++ call (NOTE [native reduce-scatter path]); ``done`` then a _NativeDone
     registered: bool = False  # rs_native: its c10d work is on its outputs
+
+    @property
+    def what(self) -> str:
+        """The call as its errors name it (built only for an error: not per call)."""
+        return (f"reduce-scatter {self.name} (call {self.seq} of generation {self.ws.gen} of group "
+                f"{list(self.ws.key[0])})")
 
 
 _pending: dict[tuple, dict[int, Call]] = {}  # (pool key, generation) -> half -> its call owed a completion
@@ -286,7 +286,6 @@ def launch(ws: RW.Workspace, inputs: Sequence[torch.Tensor], reduce_op: str, nam
     if outs is None:
         outs = [torch.empty((x.shape[0] // w, *x.shape[1:]), dtype=x.dtype, device=x.device) for x in inputs]
     call = Call(ws, h, list(inputs), flat, ns, list(outs), reduce_op,
-                f"reduce-scatter {name} (call {ws.calls} of generation {ws.gen} of group {list(ws.key[0])})",
                 name, sum(f.numel() for f in flat) * inputs[0].element_size(),
                 seq=ws.calls, numel=numel, tag=RW.call_tag(ws.calls, sig_text))
     cuda = inputs[0].is_cuda
@@ -326,8 +325,6 @@ def complete(call: Call, wait_current: bool = False) -> None:
     if pend.get(h) is call:
         del pend[h]
     if call.native is not None:  # the C++ completion (idempotent: its work's wait may have run it)
-        from . import native
-
         native.rs_complete(call.native, wait_current)
         return
     cuda = call.outs[0].is_cuda
@@ -393,8 +390,6 @@ def _reduce(srcs: list, out: torch.Tensor, reduce_op: str, w: int) -> None:
 def _native() -> bool:
     """The C++ launch and completion serve CUDA calls now (same build and config on every
     rank: every rank takes the same path; both paths speak the same protocol anyway)."""
-    from ..config import config
-    from . import native
 
     return bool(config.rs_native) and native.has_rs_native()
 
@@ -405,8 +400,6 @@ _OP_CODES: dict = {}
 def _op_code(reduce_op: str) -> tuple[int, float]:
     code = _OP_CODES.get(reduce_op)
     if code is None:
-        from . import native
-
         factor = premul_factor(reduce_op)
         code = (native.RS_PREMUL, factor) if factor is not None else (native.RS_OPS[reduce_op], 1.0)
         _OP_CODES[reduce_op] = code
@@ -416,7 +409,6 @@ def _op_code(reduce_op: str) -> tuple[int, float]:
 def _native_workspace(ws: RW.Workspace):
     """Once per workspace: every address the C++ launch and completion touch, as plain
     integers (the same words ``_Cuda`` reads and writes), and the copy and reduce streams."""
-    from . import native
 
     w, i = ws.group_size, ws.index
     if ws.recv.stride() != (w * ws.cap, ws.cap, 1):  # the kernel finds sender j's slice by stride
@@ -453,20 +445,14 @@ class _NativeDone:
         self.handle = handle
 
     def query(self) -> bool:
-        from . import native
-
         return native.rs_query(self.handle) == 3
 
     def wait(self, stream=None) -> None:
-        from . import native
-
         stream = stream if stream is not None else torch.cuda.current_stream()
         native.rs_stream_wait(self.handle, stream.cuda_stream)
 
 
 def _launch_native(ws, inputs, reduce_op, name, numel, sig_text, outs, register, pkey, h) -> Call:
-    from . import native
-
     _prepare_watch(ws)  # before this call's waits: it allocates pinned memory
     handle = ws.native if ws.native is not None else _native_workspace(ws)
     seq = ws.calls
@@ -476,7 +462,6 @@ def _launch_native(ws, inputs, reduce_op, name, numel, sig_text, outs, register,
                                  factor, register)
     w = ws.group_size
     call = Call(ws, h, list(inputs), [], [], list(outs), reduce_op,
-                f"reduce-scatter {name} (call {seq} of generation {ws.gen} of group {list(ws.key[0])})",
                 name, numel * w * inputs[0].element_size(), seq=seq, numel=numel, tag=tag,
                 recorded=True, native=cxx, registered=register)
     call.done = _NativeDone(cxx)
@@ -549,8 +534,6 @@ _live_works: dict[int, object] = {}  # keeps each Python Work alive until its wa
 def _register(call: Call) -> None:
     if call.native is not None:  # the C++ work (rs_launch registers it when asked to)
         if not call.registered:
-            from . import native
-
             native.rs_register(call.native)
             call.registered = True
         return
@@ -618,7 +601,6 @@ def _watch(call: Call, started: bool = True) -> None:
     wait is enqueued), which is when the Python path starts watching a call."""
     if torch.cuda.is_current_stream_capturing():
         return
-    from ..config import config
 
     with _watch_lock:
         _watched.append([time.monotonic() + float(config.rs_timeout_s) if started else None, call])
@@ -645,8 +627,6 @@ def _prepare_watch(ws: RW.Workspace) -> None:
 def _watchdog() -> None:
     """Runs while some completion is pending; ends when none is (``_watch`` starts it
     again) or at interpreter exit (no CUDA call may run during teardown)."""
-    from ..config import config
-    from . import native
 
     # Its event queries run while the user may capture a CUDA graph in another thread: in
     # CUDA's default (global) mode they would invalidate that capture.
@@ -723,8 +703,6 @@ def _native_stage(call: Call) -> int:
     """A native call's stage (``native.rs_query``: 0 launched, 1 completion being enqueued,
     2 its done event recorded, 3 done); a failed query counts as begun and not done (1),
     so the deadline runs."""
-    from . import native
-
     try:
         return native.rs_query(call.native)
     except Exception:  # noqa: BLE001
@@ -758,8 +736,6 @@ def _read_words(ws: RW.Workspace) -> tuple | None:
 
 def _release(call: Call, why: str) -> None:
     """NOTE [reduce-scatter watchdog], steps 1-3: name, poison and release, fail."""
-    from ..config import config
-    from . import native
 
     ws = call.ws
     ranks, h = ws.key[0], call.half
@@ -906,8 +882,6 @@ def _into(outs, res: list) -> list:
 
 
 def _has_flags() -> bool:
-    from . import native
-
     return native.has_stream_flags()
 
 
