@@ -13,6 +13,13 @@ in csrc/ce_ops.cu, NOTE [reduction kernel] in csrc/ce_reduce.cu): no GPU here.
   premul factor carried exactly.
 - ``test_address_tables``: the integers ``_native_workspace`` hands to C++ are the words
   the Python ``_Cuda`` path waits on and writes, table by table.
+- ``test_host_flag_tables_carry_the_poison_words``: with host-mapped flags (runtime/
+  rs_host_flags.py) the tables are the segments' words, and the two poison words follow.
+- ``test_watchdog_release_writes``: what the watchdog writes to release a call, on each
+  kind of workspace: host-mapped flags get the call's tag in its half's poison word, then
+  the awaited flags, then RETRACT in the peers' data flags (none on a mismatch); device
+  flags get, in stream order, NaN into each awaited slice before its flag, then the
+  RETRACTs (the library's writes recorded here).
 - ``test_on_by_default_never_on_cpu``: ``rs_native`` is on; a CPU torch never takes it.
 - ``test_watchdog_starts_a_native_calls_deadline_at_its_completion``: the watchdog's
   deadline of a native call runs from its completion's start (the C++ stage), not its
@@ -163,6 +170,81 @@ def test_address_tables(monkeypatch):
             assert t(4, h, j) == heads[j][h, i, 0].data_ptr()  # seq
             assert t(5, h, j) == heads[j][h, i, 1].data_ptr()  # numel
             assert t(6, h, j) == recvs[j][h, i].data_ptr()  # the push's destination
+
+
+def _host_flag_workspaces(w: int, cap: int, tmp: str) -> list:
+    """``w`` workspaces whose words live in host flag segments (``open_group`` as the
+    loopback tests use it, not registered with CUDA), slices in plain CPU tensors."""
+    from torch_ce.runtime import rs_host_flags as HF
+    from torch_ce.runtime import rs_workspace as RW
+
+    segs = HF.open_group(None, [os.path.join(tmp, f"flags_{r}") for r in range(w)], 0, register=False)
+    recvs = [torch.zeros(2, w, cap) for _ in range(w)]
+    return [RW.Workspace((tuple(range(w)), "float32", "cuda", "k", r), r, cap, torch.float32, recvs[r],
+                         segs[r].flags, recvs, [s.flags for s in segs], list(segs), "", head=segs[r].head,
+                         peer_head=[s.head for s in segs], poison=segs[r].poison) for r in range(w)]
+
+
+def test_host_flag_tables_carry_the_poison_words(monkeypatch, tmp_path):
+    from torch_ce.runtime import native
+    from torch_ce.runtime import reduce_scatter as RS
+
+    w, i = 3, 2
+    wss = _host_flag_workspaces(w, 256, str(tmp_path))
+    got = {}
+    monkeypatch.setattr(native, "rs_workspace", lambda *a: got.setdefault("args", a) and "handle")
+
+    class _S:
+        cuda_stream = 0
+
+    monkeypatch.setattr(RS, "_streams", lambda device: (_S(), _S()))
+    RS._native_workspace(wss[i])
+    addrs = got["args"][0]
+    assert len(addrs) == 8 * 2 * w + 2
+    assert addrs[-2:] == [wss[i].poison[0].data_ptr(), wss[i].poison[1].data_ptr()]
+    assert addrs[(0 * 2 + 1) * w + 0] == wss[i].flags[0, 1, 0].data_ptr()  # own data[1, 0]
+    assert addrs[(2 * 2 + 0) * w + 1] == wss[1].flags[0, 0, i].data_ptr()  # peer 1's data[0, i]
+    assert not os.listdir(tmp_path)  # every name unlinked once opened
+
+
+def _released_call(ws, half, tag):
+    from torch_ce.runtime import reduce_scatter as RS
+
+    return RS.Call(ws, half, [], [], [], [], "sum", "bucket", 0, seq=5, numel=8, tag=tag, native="h")
+
+
+@pytest.mark.parametrize("mismatch", [False, True])
+def test_watchdog_release_writes(monkeypatch, tmp_path, mismatch):
+    from torch_ce.runtime import native
+    from torch_ce.runtime import reduce_scatter as RS
+    from torch_ce.runtime import rs_workspace as RW
+
+    w, i, h, tag = 3, 1, 1, 0x1234567
+    stuck = [(RW.FREE, 2, 1), (RW.DATA, 2, tag), (RW.DATA, 0, tag)]
+    wss = _host_flag_workspaces(w, 64, str(tmp_path))
+    ws = wss[i]
+    RS._release_host_flags(ws, _released_call(ws, h, tag), stuck, mismatch)
+    assert ws.poison.tolist() == [0, tag]
+    assert ws.flags[RW.FREE, h, 2] == 1 and ws.flags[RW.DATA, h, 2] == tag and ws.flags[RW.DATA, h, 0] == tag
+    assert ws.flags[RW.DATA, 1 - h].tolist() == [0, 0, 0]  # the other half untouched
+    for j in (0, 2):
+        assert int(wss[j].flags[RW.DATA, h, i]) == (0 if mismatch else RW.RETRACT)
+    # Device flags: the same release through the library's own-stream writes, recorded.
+    writes = []
+    monkeypatch.setattr(native, "host_write_words",
+                        lambda addr, value, count, width, method: writes.append((addr, value, count, width)) or 0)
+    flags = [torch.zeros(2, 2, w, dtype=torch.int32) for _ in range(w)]
+    recvs = [torch.zeros(2, w, 64) for _ in range(w)]
+    dws = RW.Workspace((tuple(range(w)), "float32", "cuda", "k2", i), i, 64, torch.float32, recvs[i], flags[i],
+                       recvs, flags, [], "")
+    RS._release_device_flags(dws, _released_call(dws, h, tag), stuck, mismatch)
+    nan = (0x7FC00000, 8, 4)
+    want = [(flags[i][RW.FREE, h, 2].data_ptr(), 1, 1, 4),
+            (recvs[i][h, 2].data_ptr(), *nan), (flags[i][RW.DATA, h, 2].data_ptr(), tag, 1, 4),
+            (recvs[i][h, 0].data_ptr(), *nan), (flags[i][RW.DATA, h, 0].data_ptr(), tag, 1, 4)]
+    if not mismatch:
+        want += [(flags[j][RW.DATA, h, i].data_ptr(), RW.RETRACT, 1, 4) for j in (0, 2)]
+    assert writes == want
 
 
 def test_on_by_default_never_on_cpu():

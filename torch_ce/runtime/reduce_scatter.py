@@ -6,6 +6,7 @@ group), without a collective and without a barrier (the workspaces and flags: NO
 [reduce-scatter workspaces] in rs_workspace.py). Each input is cut in W equal chunks
 along dim 0, as ``reduce_scatter_tensor`` does; a bucket's slice for rank j is its
 inputs' chunks j, back to back. Call n of the pool uses half h = n % 2, in two phases:
+
   launch (the op)
     1. push     for each peer j, from i+1 on (so the ranks do not all start at rank 0):
                 wait free[h, j] (j reduced what i pushed into its half h two calls ago),
@@ -390,7 +391,6 @@ def _reduce(srcs: list, out: torch.Tensor, reduce_op: str, w: int) -> None:
 def _native() -> bool:
     """The C++ launch and completion serve CUDA calls now (same build and config on every
     rank: every rank takes the same path; both paths speak the same protocol anyway)."""
-
     return bool(config.rs_native) and native.has_rs_native()
 
 
@@ -409,7 +409,6 @@ def _op_code(reduce_op: str) -> tuple[int, float]:
 def _native_workspace(ws: RW.Workspace):
     """Once per workspace: every address the C++ launch and completion touch, as plain
     integers (the same words ``_Cuda`` reads and writes), and the copy and reduce streams."""
-
     w, i = ws.group_size, ws.index
     if ws.recv.stride() != (w * ws.cap, ws.cap, 1):  # the kernel finds sender j's slice by stride
         raise ReduceScatterError(f"torch_ce: rs_native: a receive workspace of strides {ws.recv.stride()}, "
@@ -601,7 +600,6 @@ def _watch(call: Call, started: bool = True) -> None:
     wait is enqueued), which is when the Python path starts watching a call."""
     if torch.cuda.is_current_stream_capturing():
         return
-
     with _watch_lock:
         _watched.append([time.monotonic() + float(config.rs_timeout_s) if started else None, call])
         if not _watcher or not _watcher[0].is_alive():
@@ -627,7 +625,6 @@ def _prepare_watch(ws: RW.Workspace) -> None:
 def _watchdog() -> None:
     """Runs while some completion is pending; ends when none is (``_watch`` starts it
     again) or at interpreter exit (no CUDA call may run during teardown)."""
-
     # Its event queries run while the user may capture a CUDA graph in another thread: in
     # CUDA's default (global) mode they would invalidate that capture.
     try:
@@ -736,7 +733,6 @@ def _read_words(ws: RW.Workspace) -> tuple | None:
 
 def _release(call: Call, why: str) -> None:
     """NOTE [reduce-scatter watchdog], steps 1-3: name, poison and release, fail."""
-
     ws = call.ws
     ranks, h = ws.key[0], call.half
     with torch.cuda.device(ws.recv.device):
@@ -769,35 +765,50 @@ def _release(call: Call, why: str) -> None:
             ws.failed = msg
         RW.post_abort(ranks, ws.gen, f"rank {ranks[ws.index]}: {msg}")
         log.error("%s", msg)
-        if ws.poison is not None:  # host-mapped flags (NOTE [poison word] in csrc/ce_ops.cu): host
-            ws.poison[h] = call.tag  # stores, the poison first (x86 store order): the kernel
-            for kind, j, value in stuck:  # behind the waits reads it and writes NaN
-                ws.flags[kind, h, j] = value
-            for j in range(ws.group_size):
-                if j != ws.index and not mismatch:
-                    ws.peer_flags[j][DATA, h, ws.index] = RETRACT
-        fill, width = _NAN[ws.dtype]
-        # Both paths are asynchronous (measured: a synchronous write queues behind the
-        # blocked stream or blocks its caller), so the watchdog never blocks.
-        for kind, j, value in ([] if ws.poison is not None else stuck):  # stream order: the launch's free waits, then the data waits
-            rc = 0
-            if kind == DATA:
-                rc = native.host_write_words(ws.recv[h, j].data_ptr(), fill, call.numel, width, 2)
-            rc = rc or native.host_write_words(ws.flags[kind, h, j].data_ptr(), value, 1, 4, _FLAG_WRITE)
-            if rc:
-                raise ReduceScatterError(f"torch_ce: {call.what}: the watchdog's write failed (CUresult {rc})")
-        for j in range(ws.group_size):  # a mismatch is symmetric: the peer sees it too
-            if j != ws.index and not mismatch and ws.poison is None:
-                try:
-                    native.host_write_words(ws.peer_flags[j][DATA, h, ws.index].data_ptr(), RETRACT, 1, 4, 2)
-                except Exception:  # noqa: BLE001 (a peer's memory may be gone with it)
-                    pass
+        if ws.poison is not None:
+            _release_host_flags(ws, call, stuck, mismatch)
+        else:
+            _release_device_flags(ws, call, stuck, mismatch)
         t0 = time.monotonic()
         while not (call.recorded and call.done.query()) and time.monotonic() - t0 < 2.0:
             time.sleep(0.002)
         if not (call.recorded and call.done.query()):
             log.error("torch_ce: %s: the watchdog's writes did not release the stream within 2 s",
                       call.what)
+
+
+def _release_host_flags(ws: RW.Workspace, call: Call, stuck: list, mismatch: bool) -> None:
+    """Host-mapped flags (NOTE [poison word] in csrc/ce_ops.cu): host stores, the call's tag
+    into its half's poison word first (x86 store order), so the reduction kernel behind the
+    waits writes NaN; then the awaited flags; then RETRACT into the peers' data flags."""
+    h = call.half
+    ws.poison[h] = call.tag
+    for kind, j, value in stuck:
+        ws.flags[kind, h, j] = value
+    for j in range(ws.group_size):  # a mismatch is symmetric: the peer sees it too
+        if j != ws.index and not mismatch:
+            ws.peer_flags[j][DATA, h, ws.index] = RETRACT
+
+
+def _release_device_flags(ws: RW.Workspace, call: Call, stuck: list, mismatch: bool) -> None:
+    """Device flags: NaN into the call's receive slices, then the awaited flags, from the
+    host on the library's own stream; both asynchronous (measured: a synchronous write
+    queues behind the blocked stream or blocks its caller), so the watchdog never blocks."""
+    h = call.half
+    fill, width = _NAN[ws.dtype]
+    for kind, j, value in stuck:  # stream order: the launch's free waits, then the data waits
+        rc = 0
+        if kind == DATA:
+            rc = native.host_write_words(ws.recv[h, j].data_ptr(), fill, call.numel, width, 2)
+        rc = rc or native.host_write_words(ws.flags[kind, h, j].data_ptr(), value, 1, 4, _FLAG_WRITE)
+        if rc:
+            raise ReduceScatterError(f"torch_ce: {call.what}: the watchdog's write failed (CUresult {rc})")
+    for j in range(ws.group_size):  # a mismatch is symmetric: the peer sees it too
+        if j != ws.index and not mismatch:
+            try:
+                native.host_write_words(ws.peer_flags[j][DATA, h, ws.index].data_ptr(), RETRACT, 1, 4, 2)
+            except Exception:  # noqa: BLE001 (a peer's memory may be gone with it)
+                pass
 
 
 def _stop_watchdog() -> None:

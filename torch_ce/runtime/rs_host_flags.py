@@ -28,6 +28,8 @@ import os
 import torch
 
 from ..config import config
+from . import native
+from . import host
 
 _PAGE = mmap.PAGESIZE
 
@@ -50,8 +52,6 @@ def one_queue() -> bool:
 def unavailable() -> str | None:
     """Why host flags cannot serve here (None: they can): only the native completion's
     CUDA reduction kernel reads the poison word."""
-    from . import native
-
     if not config.rs_native:
         return "config.rs_native is off (the Python completion does not read the poison word)"
     if not native.has_rs_native():
@@ -85,8 +85,6 @@ class FlagSegment:
         self.base = all_words.data_ptr()
         self.registered = False
         if register:
-            from . import native
-
             dptr = native.host_register(self.base, len(mm))
             self.registered = True
             if dptr != self.base:
@@ -100,8 +98,6 @@ class FlagSegment:
 
     def close(self) -> None:
         if self.registered:
-            from . import native
-
             self.registered = False
             native.host_unregister(self.base)
 
@@ -112,39 +108,30 @@ class FlagSegment:
             pass
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 def open_group(rnd, paths: list[str], index: int, register: bool = True) -> list[FlagSegment]:
     """One segment per rank of the group (``paths[j]``: rank j's name), this rank's
     created with every free flag set, its peers' mapped after an exchange; two exchanges
     of ``rnd`` (``Round``; None: one process owns every path, the loopback tests')."""
-    from .host import _map
-
     w = len(paths)
     mine = [index] if rnd is not None else list(range(w))
     segs: list = [None] * w
     ok = False
     try:
         for j in mine:
-            segs[j] = FlagSegment(_map(paths[j], segment_bytes(w), create=True), w, register)
+            segs[j] = FlagSegment(host._map(paths[j], segment_bytes(w), create=True), w, register)
             segs[j].flags[1].fill_(1)  # FREE: every peer's half is free before the first push
         if rnd is not None:
             rnd.exchange("flags-created", True)
         for j in range(w):
             if segs[j] is None:
-                segs[j] = FlagSegment(_map(paths[j], segment_bytes(w), create=False), w, register)
+                segs[j] = FlagSegment(host._map(paths[j], segment_bytes(w), create=False), w, register)
                 if w == 2:
-                    _unlink(paths[j])  # this rank is its only other reader
+                    host._unlink(paths[j])  # this rank is its only other reader
         if rnd is not None:
             rnd.exchange("flags-mapped", True)
         ok = True
     finally:
         for j, path in enumerate(paths):
             if j in mine or not ok:  # a failed round: a killed peer's name too
-                _unlink(path)
+                host._unlink(path)
     return segs

@@ -75,6 +75,7 @@ import zlib
 import torch
 
 from ..config import config
+from . import rs_host_flags as HF
 from .agreement import Round
 
 DATA, FREE = 0, 1
@@ -203,8 +204,6 @@ def one_queue_refusal() -> str | None:
     memory, and only the native completion's reduction kernel reads the poison word that
     keeps the released call's outputs NaN (runtime/rs_host_flags.py). None where that
     serves, or with more than one queue."""
-    from . import rs_host_flags as HF
-
     if not HF.one_queue() or HF.wanted():
         return None
     why = ("config.rs_host_flags is False" if config.rs_host_flags is False
@@ -388,8 +387,6 @@ def _open_cuda(key, ranks, index, cap, dtype, name, device, sig, old: Workspace 
     and a last exchange so no peer writes a flag before its owner set it. Every wait on
     the device is bounded (``_bounded_sync``)."""
     import torch.distributed._symmetric_memory as symm_mem
-
-    from . import rs_host_flags as HF
 
     what = f"the reduce-scatter workspace round of {name}"
     host = HF.wanted()
