@@ -13,9 +13,12 @@ host time over W. Per (world, dtype, size):
                  absent when the library lacks them)
 
 each as host microseconds per rank-call (median of ``--iters`` calls timed with
-perf_counter, the GPU left to run behind) and GPU ms per call (CUDA events); for the
-native path also the two timed in alternation, one call of each per round, and the median
-of the per-round ratios (``paired_ratio``: the host's drift cancels out of it); the
+perf_counter, the GPU left to run behind: ``gpu_paced`` where that loop ran at the GPU's
+pace, its median then the GPU's time, not host work), GPU ms per call (CUDA events around
+that loop: the slower of the two) and the GPU's own time per rank-call (the calls enqueued
+behind a spin, timed from its end: ``gpu_busy_us_per_rank_call``); for the native path also the two timed in alternation, one call of each per
+round, each begun on an idle GPU, and the median of the per-round ratios
+(``paired_ratio``: the host's work alone, its drift cancelled out: the target's figure); the
 profiler's kernels per call; the reduction kernel's achieved bandwidth ((W + 1) slices:
 W read, one written, over its profiled device time) against the HBM bandwidth of a
 device-to-device copy in the same run (``copy_`` of 512 MiB, far past the 50 MB L2: 2 x
@@ -45,7 +48,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
 
 PATHS = ("functional", "python", "native")
-COLUMNS = ("host_us_per_rank_call", "host_us_p90", "gpu_ms_per_call", "kernels_per_call", "memcpys_per_call")
+COLUMNS = ("host_us_per_rank_call", "host_us_p90", "gpu_ms_per_call", "gpu_busy_us_per_rank_call",
+           "kernels_per_call", "memcpys_per_call")
 
 
 def parse(argv=None):
@@ -97,6 +101,23 @@ def _gpu_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def _gpu_busy_us(fn, iters: int, per: int) -> float:
+    """The GPU's own time per rank-call: ``iters`` calls enqueued behind a ~50 ms spin on
+    the current stream (every call's streams wait for it: the launch orders its copy stream
+    after the current one), then timed from the spin's end to the last call's end. Unlike
+    ``_gpu_ms`` (events around a loop, which measure the slower of host and GPU), this is
+    the GPU's pace with the host ahead of it."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(100_000_000)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters / per
+
+
 def _profile(fn) -> tuple[list, int, dict]:
     """(kernel names, memcpys, {kernel name: total device us}) of one call."""
     from torch.profiler import ProfilerActivity, profile
@@ -117,26 +138,32 @@ def _profile(fn) -> tuple[list, int, dict]:
     return kernels, memcpys, us
 
 
-def _summary(host: list, gpu_ms: float, kernels: list, memcpys: int) -> dict:
+def _summary(host: list, gpu_ms: float, gpu_busy: float, kernels: list, memcpys: int) -> dict:
     return dict(host_us_per_rank_call=statistics.median(host), host_us_p90=sorted(host)[int(0.9 * len(host))],
-                gpu_ms_per_call=gpu_ms, kernels_per_call=len(kernels), kernel_names=sorted(set(kernels)),
-                memcpys_per_call=memcpys)
+                gpu_ms_per_call=gpu_ms, gpu_busy_us_per_rank_call=gpu_busy, kernels_per_call=len(kernels),
+                kernel_names=sorted(set(kernels)), memcpys_per_call=memcpys)
 
 
 def _paired(ce_call, nccl_call, iters: int, w: int) -> dict:
     """Host us per rank-call of the CE call and of the functional one timed in alternation,
-    one call of each per round, and the median of the per-round ratios: this host's drift
-    (run 65: the functional call's median ranged 27-120 us across sizes) cancels out of
-    the ratio, where the two separate loops' medians keep it."""
+    one call of each per round, each begun on an idle GPU (an untimed synchronize before
+    it), and the median of the per-round ratios. Alternation: this host's drift (run 65:
+    the functional call's median ranged 27-120 us across sizes) cancels out of the ratio.
+    An idle GPU: a loop that runs ahead of a slower GPU fills the launch queue and then
+    times the GPU's pace, not the host's work (run 66 at world 3: the loop's "host" time
+    per rank-call was the GPU time per rank-call within 5-20%)."""
     ce, nccl, ratio = [], [], []
     for _ in range(iters):
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         nccl_call()
         t1 = time.perf_counter()
-        ce_call()
+        torch.cuda.synchronize()
         t2 = time.perf_counter()
+        ce_call()
+        t3 = time.perf_counter()
         nccl.append((t1 - t0) * 1e6)
-        ce.append((t2 - t1) * 1e6 / w)
+        ce.append((t3 - t2) * 1e6 / w)
         ratio.append(ce[-1] / nccl[-1])
     torch.cuda.synchronize()
     return dict(paired_host_us=statistics.median(ce), paired_functional_us=statistics.median(nccl),
@@ -160,8 +187,9 @@ def _functional(group_name: str, x: torch.Tensor, iters: int) -> dict:
     torch.cuda.synchronize()
     host = _host_times(call, iters, 1)
     gpu = _gpu_ms(call, iters)
+    busy = _gpu_busy_us(call, iters, 1)
     kernels, memcpys, _ = _profile(call)
-    return _summary(host, gpu, kernels, memcpys)
+    return _summary(host, gpu, busy, kernels, memcpys)
 
 
 def _ce(wss, xs, iters: int, w: int) -> tuple[dict, dict, object]:
@@ -184,8 +212,9 @@ def _ce(wss, xs, iters: int, w: int) -> tuple[dict, dict, object]:
     torch.cuda.synchronize()
     host = _host_times(call, iters, w)
     gpu = _gpu_ms(call, iters)
+    busy = _gpu_busy_us(call, iters, w)
     kernels, memcpys, us = _profile(call)
-    return _summary(host, gpu, [k for k in kernels], memcpys), us, call
+    return _summary(host, gpu, busy, [k for k in kernels], memcpys), us, call
 
 
 def _copy_gbps(nbytes: int, dtype: torch.dtype, iters: int) -> float:
@@ -266,10 +295,7 @@ def run(a) -> dict:
         row["hbm_copy_GBps"] = hbm
         if row["native"] and row["native"].get("reduce_kernel_GBps"):
             row["kernel_over_copy"] = row["native"]["reduce_kernel_GBps"] / hbm
-        for path in ("python", "native"):
-            if row[path]:
-                row[path]["host_over_functional"] = (row[path]["host_us_per_rank_call"]
-                                                     / row["functional"]["host_us_per_rank_call"])
+        _ratios(row)
         rows.append(row)
         del xs
         torch.cuda.empty_cache()
@@ -278,9 +304,22 @@ def run(a) -> dict:
                 connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default"), iters=a.iters, rows=rows)
 
 
+def _ratios(row: dict) -> None:
+    """Per path: whether its timed loop ran at the GPU's pace (its median then the GPU's
+    time, not host work: under 1.1x the GPU's own time per rank-call), and its host time
+    over the functional call's."""
+    for path in PATHS:
+        summ = row.get(path)
+        if not summ:
+            continue
+        summ["gpu_paced"] = summ["host_us_per_rank_call"] < 1.1 * summ["gpu_busy_us_per_rank_call"]
+        if path != "functional":
+            summ["host_over_functional"] = summ["host_us_per_rank_call"] / row["functional"]["host_us_per_rank_call"]
+
+
 def table(out: dict) -> str:
     lines = [f"{'W':>2} {'dtype':>9} {'MiB':>5} | {'host us/rank-call: NCCL':>23} {'python':>8} {'native':>8} "
-             f"{'nat/NCCL':>8} {'paired':>6} | {'kernel GB/s':>11} {'HBM copy':>9} {'ratio':>6} | {'replay us':>9}"]
+             f"{'nat/NCCL':>8} {'GPU us':>7} {'paired':>6} | {'kernel GB/s':>11} {'HBM copy':>9} {'ratio':>6} | {'replay us':>9}"]
     for r in out["rows"]:
         nat = r.get("native") or {}
         f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"  # noqa: E731
@@ -288,9 +327,13 @@ def table(out: dict) -> str:
             f"{r['world']:>2} {r['dtype']:>9} {r['mib']:>5g} | {f(r['functional']['host_us_per_rank_call'], '23.1f')} "
             f"{f((r.get('python') or {}).get('host_us_per_rank_call'), '8.1f')} "
             f"{f(nat.get('host_us_per_rank_call'), '8.1f')} {f(nat.get('host_over_functional'), '8.2f')} "
+            f"{f(nat.get('gpu_busy_us_per_rank_call'), '6.1f')}{'*' if nat.get('gpu_paced') else ' '} "
             f"{f(nat.get('paired_ratio'), '6.2f')} | "
             f"{f(nat.get('reduce_kernel_GBps'), '11.0f')} {f(r.get('hbm_copy_GBps'), '9.0f')} "
             f"{f(r.get('kernel_over_copy'), '6.2f')} | {f(nat.get('graph_replay_host_us'), '9.1f')}")
+    lines.append("GPU us: the native call's GPU time per rank-call, the host ahead (*: the timed loop ran at "
+                 "the GPU's pace); "
+                 "paired: the native call's host time over NCCL's, each begun on an idle GPU")
     return "\n".join(lines)
 
 

@@ -290,7 +290,17 @@ def test_rs_cost_dry_run(tmp_path):
     row = dict(world=2, dtype="float32", mib=1.0, functional=dict(host_us_per_rank_call=30.0),
                python=dict(host_us_per_rank_call=300.0), native=None, copy_GBps=3000.0)
     text = mod.table(dict(rows=[row]))
-    assert "300.0" in text and "30.0" in text and text.count("\n") == 1
+    assert "300.0" in text and "30.0" in text and text.count("\n") == 2
+    # a loop at the GPU's pace is marked: its host median under 1.1x the GPU's own time
+    paced = dict(world=3, dtype="float32", mib=16.0,
+                 functional=dict(host_us_per_rank_call=50.0, gpu_busy_us_per_rank_call=20.0),
+                 native=dict(host_us_per_rank_call=190.0, gpu_busy_us_per_rank_call=200.0, paired_ratio=1.3),
+                 python=None)
+    mod._ratios(paced)
+    assert paced["native"]["gpu_paced"] and not paced["functional"]["gpu_paced"]
+    assert paced["native"]["host_over_functional"] == pytest.approx(3.8)
+    line = mod.table(dict(rows=[paced])).splitlines()[1]
+    assert "200.0*" in line and "1.30" in line
     with pytest.raises(SystemExit):
         mod.parse(["--dtypes", "float16"])
 
