@@ -28,7 +28,10 @@ and a captured call (every rank, native when it is there) replayed from a CUDA g
 host microseconds per replay. JSON and a PNG (matplotlib, where installed) under --out.
 
     python3 bench/rs_cost.py [--mib 1,16,64] [--dtypes float32,bfloat16] [--worlds 2,3]
-                             [--iters 50] [--out bench/results/rs_cost] [--dry-run]
+                             [--iters 50] [--members 1] [--out bench/results/rs_cost] [--dry-run]
+
+``--members K``: each bucket holds K tensors, the size split over them (the functional
+call is then ``reduce_scatter_tensor_coalesced``).
 
 ``--dry-run`` needs no GPU: it checks the arguments, writes the plan (the cases and
 columns a GPU run fills) as JSON and exits (test/test_bench_cpu.py runs it).
@@ -58,6 +61,8 @@ def parse(argv=None):
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--worlds", default="2,3")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--members", type=int, default=1,
+                    help="tensors per bucket, the size split over them (a layer's bucket: ~9)")
     ap.add_argument("--out", default="", help="directory for rs_cost.json and rs_cost.png")
     ap.add_argument("--json", default="", help="(kept for older scripts) a JSON path")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: write the plan and exit")
@@ -68,8 +73,8 @@ def parse(argv=None):
     for d in a.dtype_list:
         if d not in ("float32", "bfloat16"):
             ap.error(f"--dtypes: {d!r} is not float32 or bfloat16")
-    if any(w < 2 for w in a.world_list) or any(m <= 0 for m in a.mibs) or a.iters < 1:
-        ap.error("worlds >= 2, sizes > 0 and iters >= 1")
+    if any(w < 2 for w in a.world_list) or any(m <= 0 for m in a.mibs) or a.iters < 1 or a.members < 1:
+        ap.error("worlds >= 2, sizes > 0, iters >= 1 and members >= 1")
     return a
 
 
@@ -79,6 +84,12 @@ def plan(a) -> list[dict]:
 
 def _numel(mib: float, dtype: torch.dtype, w: int) -> int:
     return max(w * 1024, int(mib * 2**20) // dtype.itemsize // (w * 1024) * (w * 1024))
+
+
+def _member_rows(rows: int, members: int, w: int) -> int:
+    """Rows of 1024 elements per bucket member: ``rows`` split over ``members``, a multiple
+    of the world size (each member scatters whole rows), at least one row per rank."""
+    return max(w, rows // members // w * w)
 
 
 def _host_times(fn, iters: int, per: int) -> list[float]:
@@ -170,17 +181,24 @@ def _paired(ce_call, nccl_call, iters: int, w: int) -> dict:
                 paired_ratio=statistics.median(ratio))
 
 
-def _functional_call(group_name: str, x: torch.Tensor):
+def _functional_call(group_name: str, xs: list):
+    """The functional collective of one bucket: ``reduce_scatter_tensor`` of its one member,
+    or ``reduce_scatter_tensor_coalesced`` of its members (what a graph's bucket calls)."""
     f = torch.ops._c10d_functional
 
-    def call():
-        f.wait_tensor(f.reduce_scatter_tensor(x, "sum", 1, group_name))
+    if len(xs) == 1:
+        def call():
+            f.wait_tensor(f.reduce_scatter_tensor(xs[0], "sum", 1, group_name))
+    else:
+        def call():
+            for o in f.reduce_scatter_tensor_coalesced(xs, "sum", 1, group_name):
+                f.wait_tensor(o)
 
     return call
 
 
-def _functional(group_name: str, x: torch.Tensor, iters: int) -> dict:
-    call = _functional_call(group_name, x)
+def _functional(group_name: str, xs: list, iters: int) -> dict:
+    call = _functional_call(group_name, xs)
 
     for _ in range(3):
         call()
@@ -263,11 +281,13 @@ def run(a) -> dict:
     rows, hbm = [], None
     for case in plan(a):
         w, dtype, mib = case["world"], getattr(torch, case["dtype"]), case["mib"]
-        numel = _numel(mib, dtype, w)
+        rows_per = _member_rows(_numel(mib, dtype, w) // 1024, a.members, w)
+        numel = rows_per * 1024 * a.members
         gen = torch.Generator(device="cuda").manual_seed(1)
-        xs = [[torch.randn(numel // 1024, 1024, device="cuda", generator=gen).to(dtype)] for _ in range(w)]
-        row = dict(case, numel_per_rank_input=numel,
-                   functional=_functional(group_name, xs[0][0], a.iters))
+        xs = [[torch.randn(rows_per, 1024, device="cuda", generator=gen).to(dtype) for _ in range(a.members)]
+              for _ in range(w)]
+        row = dict(case, members=a.members, numel_per_rank_input=numel,
+                   functional=_functional(group_name, xs[0], a.iters))
         slice_bytes = numel // w * dtype.itemsize
         for path in ("python", "native"):
             if path == "native" and not has_native:
@@ -277,7 +297,7 @@ def run(a) -> dict:
                 wss = loopback_workspaces(w, numel // w, dtype)
                 summary, us, call = _ce(wss, xs, a.iters, w)
                 if path == "native":
-                    summary.update(_paired(call, _functional_call(group_name, xs[0][0]), 2 * a.iters, w))
+                    summary.update(_paired(call, _functional_call(group_name, xs[0]), 2 * a.iters, w))
                     k_us = sum(v for k, v in us.items() if "reduce_kernel" in k) / w
                     summary["reduce_kernel_us"] = k_us
                     summary["reduce_kernel_GBps"] = (w + 1) * slice_bytes / (k_us * 1e-6) / 1e9 if k_us else None
@@ -301,7 +321,8 @@ def run(a) -> dict:
         torch.cuda.empty_cache()
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, build=native.build_info(),
                 reduce_kernel="cuda" if native.rs_has_kernel() else ("triton" if has_native else "none"),
-                connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default"), iters=a.iters, rows=rows)
+                connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default"), iters=a.iters,
+                members=a.members, rows=rows)
 
 
 def _ratios(row: dict) -> None:

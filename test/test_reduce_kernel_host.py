@@ -303,6 +303,11 @@ def test_rs_cost_dry_run(tmp_path):
     assert "200.0*" in line and "1.30" in line
     with pytest.raises(SystemExit):
         mod.parse(["--dtypes", "float16"])
+    with pytest.raises(SystemExit):
+        mod.parse(["--members", "0"])
+    # --members: whole rows per rank in every member, the size split over them
+    assert mod.parse(["--members", "8"]).members == 8
+    assert [mod._member_rows(r, k, w) for r, k, w in ((512, 9, 3), (2, 9, 2), (1024, 1, 2))] == [54, 2, 1024]
 
 
 def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):
