@@ -16,7 +16,8 @@ each as host microseconds per rank-call (median of ``--iters`` calls timed with
 perf_counter, the GPU left to run behind: ``gpu_paced`` where that loop ran at the GPU's
 pace, its median then the GPU's time, not host work), GPU ms per call (CUDA events around
 that loop: the slower of the two) and the GPU's own time per rank-call (the calls enqueued
-behind a spin, timed from its end: ``gpu_busy_us_per_rank_call``); for the native path also the two timed in alternation, one call of each per
+behind a spin, timed from its end: ``gpu_busy_us_per_rank_call``, ``gpu_busy_valid`` where
+the host had enqueued them all before the spin ended); for the native path also the two timed in alternation, one call of each per
 round, each begun on an idle GPU, and the median of the per-round ratios
 (``paired_ratio``: the host's work alone, its drift cancelled out: the target's figure); the
 profiler's kernels per call; the reduction kernel's achieved bandwidth ((W + 1) slices:
@@ -112,21 +113,25 @@ def _gpu_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _gpu_busy_us(fn, iters: int, per: int) -> float:
-    """The GPU's own time per rank-call: ``iters`` calls enqueued behind a ~50 ms spin on
+def _gpu_busy_us(fn, iters: int, per: int) -> tuple[float, bool]:
+    """The GPU's own time per rank-call: ``iters`` calls enqueued behind a ~100 ms spin on
     the current stream (every call's streams wait for it: the launch orders its copy stream
     after the current one), then timed from the spin's end to the last call's end. Unlike
     ``_gpu_ms`` (events around a loop, which measure the slower of host and GPU), this is
-    the GPU's pace with the host ahead of it."""
+    the GPU's pace with the host ahead of it: valid (the second value) when the host had
+    enqueued every call before the spin ended."""
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(100_000_000)
+    pre, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    pre.record()
+    torch.cuda._sleep(200_000_000)
     start.record()
+    t0 = time.perf_counter()
     for _ in range(iters):
         fn()
+    enqueued_ms = (time.perf_counter() - t0) * 1e3
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters / per
+    return start.elapsed_time(end) * 1e3 / iters / per, enqueued_ms < pre.elapsed_time(start)
 
 
 def _profile(fn) -> tuple[list, int, dict]:
@@ -149,10 +154,10 @@ def _profile(fn) -> tuple[list, int, dict]:
     return kernels, memcpys, us
 
 
-def _summary(host: list, gpu_ms: float, gpu_busy: float, kernels: list, memcpys: int) -> dict:
+def _summary(host: list, gpu_ms: float, gpu_busy: tuple, kernels: list, memcpys: int) -> dict:
     return dict(host_us_per_rank_call=statistics.median(host), host_us_p90=sorted(host)[int(0.9 * len(host))],
-                gpu_ms_per_call=gpu_ms, gpu_busy_us_per_rank_call=gpu_busy, kernels_per_call=len(kernels),
-                kernel_names=sorted(set(kernels)), memcpys_per_call=memcpys)
+                gpu_ms_per_call=gpu_ms, gpu_busy_us_per_rank_call=gpu_busy[0], gpu_busy_valid=gpu_busy[1],
+                kernels_per_call=len(kernels), kernel_names=sorted(set(kernels)), memcpys_per_call=memcpys)
 
 
 def _paired(ce_call, nccl_call, iters: int, w: int) -> dict:
@@ -333,9 +338,18 @@ def _ratios(row: dict) -> None:
         summ = row.get(path)
         if not summ:
             continue
-        summ["gpu_paced"] = summ["host_us_per_rank_call"] < 1.1 * summ["gpu_busy_us_per_rank_call"]
+        summ["gpu_paced"] = (summ.get("gpu_busy_valid", True)
+                             and summ["host_us_per_rank_call"] < 1.1 * summ["gpu_busy_us_per_rank_call"])
         if path != "functional":
             summ["host_over_functional"] = summ["host_us_per_rank_call"] / row["functional"]["host_us_per_rank_call"]
+
+
+def _pace_mark(summ: dict) -> str:
+    """``*`` the timed loop ran at the GPU's pace, ``?`` the GPU's time is not valid (the
+    host had not enqueued every call before the spin ended)."""
+    if summ.get("gpu_busy_valid") is False:
+        return "?"
+    return "*" if summ.get("gpu_paced") else " "
 
 
 def table(out: dict) -> str:
@@ -348,12 +362,12 @@ def table(out: dict) -> str:
             f"{r['world']:>2} {r['dtype']:>9} {r['mib']:>5g} | {f(r['functional']['host_us_per_rank_call'], '23.1f')} "
             f"{f((r.get('python') or {}).get('host_us_per_rank_call'), '8.1f')} "
             f"{f(nat.get('host_us_per_rank_call'), '8.1f')} {f(nat.get('host_over_functional'), '8.2f')} "
-            f"{f(nat.get('gpu_busy_us_per_rank_call'), '6.1f')}{'*' if nat.get('gpu_paced') else ' '} "
+            f"{f(nat.get('gpu_busy_us_per_rank_call'), '6.1f')}{_pace_mark(nat)} "
             f"{f(nat.get('paired_ratio'), '6.2f')} | "
             f"{f(nat.get('reduce_kernel_GBps'), '11.0f')} {f(r.get('hbm_copy_GBps'), '9.0f')} "
             f"{f(r.get('kernel_over_copy'), '6.2f')} | {f(nat.get('graph_replay_host_us'), '9.1f')}")
     lines.append("GPU us: the native call's GPU time per rank-call, the host ahead (*: the timed loop ran at "
-                 "the GPU's pace); "
+                 "the GPU's pace; ?: not valid, the host fell behind the spin); "
                  "paired: the native call's host time over NCCL's, each begun on an idle GPU")
     return "\n".join(lines)
 

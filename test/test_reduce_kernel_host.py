@@ -301,6 +301,11 @@ def test_rs_cost_dry_run(tmp_path):
     assert paced["native"]["host_over_functional"] == pytest.approx(3.8)
     line = mod.table(dict(rows=[paced])).splitlines()[1]
     assert "200.0*" in line and "1.30" in line
+    # a GPU time measured while the host fell behind the spin is not valid: never "paced"
+    paced["native"]["gpu_busy_valid"] = False
+    mod._ratios(paced)
+    assert not paced["native"]["gpu_paced"]
+    assert "200.0?" in mod.table(dict(rows=[paced])).splitlines()[1]
     with pytest.raises(SystemExit):
         mod.parse(["--dtypes", "float16"])
     with pytest.raises(SystemExit):
