@@ -16,10 +16,11 @@ each as host microseconds per rank-call (median of ``--iters`` calls timed with
 perf_counter, the GPU left to run behind: ``gpu_paced`` where that loop ran at the GPU's
 pace, its median then the GPU's time, not host work), GPU ms per call (CUDA events around
 that loop: the slower of the two) and the GPU's own time per rank-call (the calls enqueued
-behind a spin, timed from its end: ``gpu_busy_us_per_rank_call``, ``gpu_busy_valid`` where
-the host had enqueued them all before the spin ended); for the native path also the two timed in alternation, one call of each per
-round, each begun on an idle GPU, and the median of the per-round ratios
-(``paired_ratio``: the host's work alone, its drift cancelled out: the target's figure); the
+behind a spin, timed from its end: ``gpu_busy_us_per_rank_call``; ``gpu_busy_valid`` where
+the host had enqueued them all before the spin ended); for the native path also the two
+timed in alternation, one call of each per round, each begun on an idle GPU, and the
+median of the per-round ratios (``paired_ratio``: the host's work alone, its drift
+cancelled out: the target's figure); the
 profiler's kernels per call; the reduction kernel's achieved bandwidth ((W + 1) slices:
 W read, one written, over its profiled device time) against the HBM bandwidth of a
 device-to-device copy in the same run (``copy_`` of 512 MiB, far past the 50 MB L2: 2 x
@@ -166,8 +167,7 @@ def _paired(ce_call, nccl_call, iters: int, w: int) -> dict:
     it), and the median of the per-round ratios. Alternation: this host's drift (run 65:
     the functional call's median ranged 27-120 us across sizes) cancels out of the ratio.
     An idle GPU: a loop that runs ahead of a slower GPU fills the launch queue and then
-    times the GPU's pace, not the host's work (run 66 at world 3: the loop's "host" time
-    per rank-call was the GPU time per rank-call within 5-20%)."""
+    times the GPU's pace, not the host's work (docs/perf-notes.md section 23)."""
     ce, nccl, ratio = [], [], []
     for _ in range(iters):
         torch.cuda.synchronize()

@@ -307,9 +307,8 @@ def _flag_segments(rank, world, seed):
 def test_host_flag_segments_are_shared_and_leave_no_name(world):
     """The host-mapped flag segments of a CUDA workspace (runtime/rs_host_flags.py), opened
     by gloo ranks as ``_open_cuda`` opens them (without the CUDA registration), the last
-    rank 2 s late: every rank
-    starts with its free flags set and the rest zero, sees what each peer stored into its
-    segment, and no name is left in /dev/shm after the round."""
+    rank 2 s late: every rank starts with its free flags set and the rest zero, sees what
+    each peer stored into its segment, and no name is left in /dev/shm after the round."""
     seed = seed_base()
     res = run_ranks(_flag_segments, world, seed, timeout=60)
     for rank, (start, got, left) in enumerate(res):
