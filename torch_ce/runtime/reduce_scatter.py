@@ -89,21 +89,30 @@ class Served:
 served: dict[str, Served] = {}
 
 
-def _group(group_name: str, group_size: int, name: str) -> tuple[tuple, int]:
-    import torch.distributed as dist
+_groups: dict = {}  # group name -> (its process group, its ranks, this rank's index)
 
+
+def _group(group_name: str, group_size: int, name: str) -> tuple[tuple, int]:
+    """(the group's ranks, this rank's index), cached per name while the name resolves to
+    the same process group (a group made again under an old name is looked up again)."""
     try:
         pg = torch._C._distributed_c10d._resolve_process_group(group_name)
     except RuntimeError as e:
         raise ReduceScatterError(
             f"torch_ce: magi::ce_reduce_scatter of {name} got group {group_name!r}, which is not a "
             "live process group on this rank") from e
-    ranks = tuple(dist.get_process_group_ranks(pg))
+    known = _groups.get(group_name)
+    if known is None or known[0] is not pg:
+        import torch.distributed as dist
+
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        known = _groups[group_name] = (pg, ranks, ranks.index(dist.get_rank()))
+    ranks = known[1]
     RW.note_group(ranks, pg)
     if len(ranks) != group_size:
         raise ReduceScatterError(f"torch_ce: magi::ce_reduce_scatter of {name}: group_size "
                                  f"{group_size} but group {group_name!r} has ranks {list(ranks)}")
-    return ranks, ranks.index(dist.get_rank())
+    return ranks, known[2]
 
 
 def premul_factor(reduce_op: str) -> float | None:
@@ -132,6 +141,25 @@ def _check(inputs: Sequence[torch.Tensor], reduce_op: str, group_size: int, name
             raise ReduceScatterError(
                 f"torch_ce: magi::ce_reduce_scatter of {name}: an input of shape {tuple(x.shape)} "
                 f"does not split in {group_size} equal chunks along dim 0")
+
+
+_specs: dict = {}  # a checked call's inputs (shape, dtype, device each), op, group size -> _spec
+
+
+def _spec(inputs: Sequence[torch.Tensor], reduce_op: str, group_size: int, name: str) -> tuple:
+    """(per-rank elements, input bytes, signature: ``RW.signature``) of a call whose inputs
+    pass ``_check``; cached by what ``_check`` reads, so a bucket is checked and its
+    signature built once, not at every call."""
+    key = (tuple([(x.shape, x.dtype, x.device) for x in inputs]), reduce_op, group_size)
+    spec = _specs.get(key)
+    if spec is None:
+        _check(inputs, reduce_op, group_size, name)
+        if len(_specs) > 4096:
+            _specs.clear()
+        numel = sum(x.numel() for x in inputs)
+        sig = RW.signature(inputs, reduce_op, group_size) if group_size > 1 else None
+        _specs[key] = spec = (numel // group_size, numel * inputs[0].element_size(), sig)
+    return spec
 
 
 def _collective(inputs, reduce_op, group_size, group_name) -> list[torch.Tensor]:
@@ -836,7 +864,7 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], reduce_op: str, group_size: i
     completion is enqueued now and the current stream waits for it, so no ``wait_tensor``
     is needed (the caller's stream orders what reads them)."""
     name = name or f"a bucket of {len(inputs)} input(s)"
-    _check(inputs, reduce_op, group_size, name)
+    need, nbytes, sig = _spec(inputs, reduce_op, group_size, name)
     if outs is not None and (len(outs) != len(inputs) or any(
             not o.is_contiguous() or o.dtype != x.dtype or o.numel() * group_size != x.numel()
             for o, x in zip(outs, inputs))):
@@ -848,8 +876,6 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], reduce_op: str, group_size: i
         return _into(outs, res)
     ranks, i = _group(group_name, group_size, name)
     dev = inputs[0].device
-    need = sum(x.numel() for x in inputs) // group_size
-    nbytes = sum(x.numel() for x in inputs) * inputs[0].element_size()
     why = ""
     if dev.type == "cuda" and not _has_flags():  # the same build on every rank: the same verdict
         why = "the C++ library (csrc/ce_ops.cu) with the stream flag ops is not built or not loaded"
@@ -859,7 +885,6 @@ def reduce_scatter(inputs: Sequence[torch.Tensor], reduce_op: str, group_size: i
         why = RW.host_order_refusal()  # the same host kind on every rank of a host job
     ws = None
     if not why:
-        sig = RW.signature(inputs, reduce_op, group_size)
         ws = RW.get(ranks, i, inputs[0].dtype, dev, need, name, sig[1])
         if ws is None:
             cap = RW.workspace_bytes(group_size, need, inputs[0].dtype)
@@ -899,6 +924,7 @@ def _has_flags() -> bool:
 def release() -> None:
     RW.release()
     served.clear()
+    _groups.clear()
     _pending.clear()
     _live_works.clear()
     with _watch_lock:
