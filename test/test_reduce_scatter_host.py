@@ -16,6 +16,9 @@ order, computed here from an all_gather of the inputs).
   within ``rs_timeout_s``, naming the bucket and the peer; no hang.
 - ``test_ranks_that_disagree``: ranks whose buckets differ at a workspace round get an
   error naming both.
+- ``test_checks_and_group_lookups_cached``: the per-shape check raises at every call of a
+  bad bucket (only good ones are cached), and a group made again under its old name is
+  looked up again.
 """
 from __future__ import annotations
 
@@ -174,3 +177,35 @@ def _disagree(rank, world, seed):
 
 def test_ranks_that_disagree():
     assert run_ranks(_disagree, 2, seed_base(), timeout=60) == [True, True]
+
+
+def test_checks_and_group_lookups_cached(tmp_path):
+    import torch.distributed as dist
+
+    from torch_ce.runtime import reduce_scatter as R
+    from torch_ce.runtime import rs_workspace as RW
+
+    bad = [torch.randn(3, 4)]
+    for _ in range(2):  # never cached: every call raises
+        with pytest.raises(RW.ReduceScatterError, match="does not split in 2"):
+            R._spec(bad, "sum", 2, "a bad bucket")
+    good = [torch.randn(6, 4), torch.randn(2, 5)]
+    need, nbytes, sig = R._spec(good, "avg", 2, "b")
+    assert (need, nbytes, sig) == (17, 34 * 4, RW.signature(good, "avg", 2))
+    assert R._spec([torch.randn(6, 4), torch.randn(2, 5)], "avg", 2, "b") == (need, nbytes, sig)
+    with pytest.raises(RW.ReduceScatterError, match="one dtype"):  # same shapes, another dtype mix
+        R._spec([good[0], good[1].to(torch.float64)], "avg", 2, "b")
+    firsts = []
+    for k in range(2):  # the same group name, a new group each time
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store{k}", rank=0, world_size=1)
+        try:
+            name = dist.group.WORLD.group_name
+            assert R._group(name, 1, "b") == ((0,), 0)
+            firsts.append((name, R._groups[name][0]))
+            assert R._groups[name][0] is torch._C._distributed_c10d._resolve_process_group(name)
+            with pytest.raises(RW.ReduceScatterError, match="group_size 2"):
+                R._group(name, 2, "b")
+        finally:
+            dist.destroy_process_group()
+    assert firsts[0][0] == firsts[1][0] and firsts[0][1] is not firsts[1][1]  # re-looked up
+    R.release()
