@@ -1153,7 +1153,7 @@ std::tuple<c10::intrusive_ptr<RsCall>, std::vector<at::Tensor>> rs_launch(
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == ws->dtype && x.device().index() == device && x.dim() >= 1 &&
                     x.size(0) % w == 0,
                 "torch_ce: rs_launch: input ", k, " does not match the workspace (device, dtype, rows)");
-    call->flats.push_back(x.contiguous().view(-1));
+    call->flats.push_back(x.is_contiguous() ? x : x.contiguous());  // read by pointer: any shape
     call->ns.push_back(call->flats.back().numel() / w);
     total += call->ns.back();
     if (outs.empty()) {
@@ -1271,7 +1271,7 @@ void rs_reduce(RsCall& call) {
   int64_t off = 0;
   for (size_t m = 0; m < call.flats.size(); ++m) {
     const int64_t n = call.ns[m];
-    owns.push_back(call.flats[m].narrow(0, i * n, n));
+    owns.push_back(call.flats[m].view(-1).narrow(0, i * n, n));
     offs.push_back(off);
     off += n;
   }
@@ -1392,6 +1392,35 @@ void rs_stream_wait_h(int64_t call, int64_t stream) { rs_stream_wait(rs_find(g_r
 void rs_register_h(int64_t call) { rs_register(rs_find(g_rs_calls, call, "call")); }
 int64_t rs_query_h(int64_t call) { return rs_query(rs_find(g_rs_calls, call, "call")); }
 
+// The stages of several calls in one op call (the watchdog's tick: one crossing, one GIL
+// release, however many calls it watches); an unknown id or a failed query reads 1 (begun,
+// not done: its deadline runs).
+std::vector<int64_t> rs_stages(std::vector<int64_t> ids) {
+  std::vector<c10::intrusive_ptr<RsCall>> calls;
+  calls.reserve(ids.size());
+  {
+    std::lock_guard<std::mutex> lk(g_rs_mu);
+    for (int64_t id : ids) {
+      auto it = g_rs_calls.find(id);
+      calls.push_back(it == g_rs_calls.end() ? c10::intrusive_ptr<RsCall>() : it->second);
+    }
+  }
+  std::vector<int64_t> out;
+  out.reserve(ids.size());
+  for (auto& c : calls) {
+    int64_t stage = 1;
+    if (c) {
+      try {
+        stage = rs_query(c);
+      } catch (const std::exception&) {
+        stage = 1;
+      }
+    }
+    out.push_back(stage);
+  }
+  return out;
+}
+
 void rs_forget(int64_t id) {
   c10::intrusive_ptr<RsCall> call;  // released after the lock: its destructor returns events
   c10::intrusive_ptr<RsWorkspace> ws;
@@ -1475,6 +1504,7 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("rs_stream_wait(int call, int stream) -> ()", &rs_stream_wait_h);
   m.def("rs_register(int call) -> ()", &rs_register_h);
   m.def("rs_query(int call) -> int", &rs_query_h);
+  m.def("rs_stages(int[] calls) -> int[]", &rs_stages);
   m.def("rs_forget(int handle) -> ()", &rs_forget);
   m.def("rs_handle_count() -> int", &rs_handle_count);
   m.def("rs_has_kernel() -> bool", &rs_has_kernel);

@@ -172,8 +172,13 @@ cudaError_t launch_reduce(const Args& args, bool bf16, cudaStream_t stream) {
     const int64_t units = vec ? g.n / vlen + g.n % vlen : g.n;
     if (units > most) most = units;
   }
-  int64_t bx = (most + kThreads - 1) / kThreads;
-  if (bx > kMaxBlocksX) bx = kMaxBlocksX;
+  // As many grid-stride rounds as the block cap needs, and the blocks that spread the
+  // member's units evenly over them: with the cap alone a member of 1.33 rounds has a
+  // third of its threads run a second round (16 MiB at world 3: 0.61-0.66 of the copy's
+  // bandwidth in run 66, perf-notes section 23).
+  const int64_t per_round = kThreads * kMaxBlocksX;
+  const int64_t rounds = (most + per_round - 1) / per_round;
+  const int64_t bx = (most + kThreads * rounds - 1) / (kThreads * rounds);
   const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(args.nseg));
   if (bf16)
     reduce_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args, lo, hi);

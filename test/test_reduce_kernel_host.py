@@ -329,7 +329,7 @@ def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):
 
     stage = {"a": 0, "b": 0}
     released = []
-    monkeypatch.setattr(native, "rs_query", lambda h: stage[h])
+    monkeypatch.setattr(native, "rs_stages", lambda hs: [stage[h] for h in hs])
     monkeypatch.setattr(RS, "_release", lambda call, why: released.append((call.native, why, time.monotonic())))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     ws = types.SimpleNamespace(failed="", key=((0, 1),), gen=1)

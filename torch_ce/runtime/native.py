@@ -492,6 +492,12 @@ def rs_query(call: Handle) -> int:
     return int(_raw("rs_query")(call.id))
 
 
+def rs_stages(calls: list) -> list:
+    """``rs_query`` of several calls in one op call (the watchdog's tick); 1 for a call the
+    library does not know."""
+    return list(_raw("rs_stages")([c.id for c in calls]))
+
+
 def rs_register(call: Handle) -> None:
     """The call's c10d work on its outputs (their ``wait_tensor`` completes it)."""
     _raw("rs_register")(call.id)

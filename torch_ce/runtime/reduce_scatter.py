@@ -668,10 +668,11 @@ def _watchdog() -> None:
         look = now >= next_abort
         if look:
             next_abort = now + RW._ABORT_EVERY_S
+        stages = iter(_native_stages([item[1].native for item in items if item[1].native is not None]))
         for item in items:
             deadline, call = item
-            if call.native is not None:  # one query: its stage (3: done)
-                stage = _native_stage(call)
+            if call.native is not None:  # its stage (3: done), all of a tick's in one query
+                stage = next(stages)
                 if stage == 3:
                     continue
                 if deadline is None:  # watched from its completion on
@@ -724,14 +725,16 @@ def _waits(call: Call) -> list:
     return [(FREE, h, j, 1) for j in peers] + [(DATA, h, j, call.tag) for j in peers]
 
 
-def _native_stage(call: Call) -> int:
-    """A native call's stage (``native.rs_query``: 0 launched, 1 completion being enqueued,
-    2 its done event recorded, 3 done); a failed query counts as begun and not done (1),
-    so the deadline runs."""
+def _native_stages(handles: list) -> list:
+    """Native calls' stages (``native.rs_stages``: 0 launched, 1 completion being enqueued,
+    2 its done event recorded, 3 done) in one op call; a failed query counts as begun and
+    not done (1), so the deadlines run."""
+    if not handles:
+        return []
     try:
-        return native.rs_query(call.native)
+        return native.rs_stages(handles)
     except Exception:  # noqa: BLE001
-        return 1
+        return [1] * len(handles)
 
 
 def _read_words(ws: RW.Workspace) -> tuple | None:
