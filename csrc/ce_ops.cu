@@ -50,6 +50,10 @@
 #include <torch/library.h>
 
 #include <cuda_runtime_api.h>
+#if __has_include(<cuda.h>)
+#include <cuda.h>  // only to check MemOp's layout (the host-compiler build may lack it)
+#define TORCH_CE_HAVE_CUDA_H 1
+#endif
 
 // NOTE [building without nvcc]: headers of another CUDA major version than the
 // runtime's give another cudaMemcpyBatchAsync ABI. setup.py refuses them first
@@ -60,6 +64,7 @@
 #endif
 
 #include <atomic>
+#include <cstddef>
 #include <memory>
 #include <chrono>
 #include <mutex>
@@ -966,9 +971,11 @@ void host_unregister(int64_t addr) {
 //                 reset it, one cudaMemcpyAsync per bucket member into j's recv[h, i]
 //                 (capturable), write seq, numel, then the tag (default flags: a
 //                 memory barrier before each write); an event after the pushes; the
-//                 c10d work on the outputs (``register_work``)
+//                 c10d work on the outputs (``register_work``). A peer's wait and reset
+//                 are one cuStreamBatchMemOp, its three writes another (MemOps)
 //   rs_complete   once (idempotent): the reduce stream after the pushes, for each
-//                 peer wait data[h, j] == tag (EQ), reset it; the reduction (one
+//                 peer wait data[h, j] == tag (EQ), reset it (all peers' in one
+//                 cuStreamBatchMemOp); the reduction (one
 //                 kernel, NOTE [reduction kernel] in ce_reduce.cu; without nvcc the
 //                 Python op torch_ce::rs_reduce_fallback: the Triton kernel); free[h, i]
 //                 = 1 in each peer; the done event. The work's first wait() runs it
@@ -1012,18 +1019,62 @@ std::vector<double> rs_timing(int64_t mode) {
 
 using StreamWaitFn = int (*)(cudaStream_t, unsigned long long, unsigned int, unsigned int);
 
-void rs_wait(cudaStream_t s, uint64_t addr, uint32_t value, int device) {
-  static auto fn = reinterpret_cast<StreamWaitFn>(driver_entry("cuStreamWaitValue32"));
-  int rc = fn(s, static_cast<unsigned long long>(addr), value, wait_flags(device));
-  TORCH_CHECK(rc == 0, "torch_ce: cuStreamWaitValue32 failed (CUresult ", rc, ")");
-}
+// A call's flag waits and writes as batches: cuStreamBatchMemOp enqueues its operations
+// in array order, each as its single call would (a wait EQ, FLUSH where the device has it;
+// a write with the default memory barrier before it), for one driver call per group, not
+// one per word (each ~1 us of host time on an H200's host, run 66's probe). The layout is
+// cuda.h's CUstreamBatchMemOpParams (a 48-byte union), written out because the host-
+// compiler build has only the runtime's headers; an nvcc build checks it against cuda.h.
+struct MemOp {
+  uint32_t operation;  // 1 CU_STREAM_MEM_OP_WAIT_VALUE_32, 2 CU_STREAM_MEM_OP_WRITE_VALUE_32
+  uint32_t pad0;
+  uint64_t address;
+  uint64_t value;  // the low 32 bits: cuuint32_t value
+  uint32_t flags;
+  uint32_t pad1;
+  uint64_t alias;
+  uint64_t pad2;
+};
+static_assert(sizeof(MemOp) == 48, "CUstreamBatchMemOpParams is 48 bytes");
+#ifdef TORCH_CE_HAVE_CUDA_H
+static_assert(sizeof(CUstreamBatchMemOpParams) == sizeof(MemOp) &&
+                  offsetof(CUstreamBatchMemOpParams, waitValue.address) == offsetof(MemOp, address) &&
+                  offsetof(CUstreamBatchMemOpParams, waitValue.value) == offsetof(MemOp, value) &&
+                  offsetof(CUstreamBatchMemOpParams, waitValue.flags) == offsetof(MemOp, flags) &&
+                  offsetof(CUstreamBatchMemOpParams, writeValue.address) == offsetof(MemOp, address) &&
+                  offsetof(CUstreamBatchMemOpParams, writeValue.value) == offsetof(MemOp, value) &&
+                  offsetof(CUstreamBatchMemOpParams, writeValue.flags) == offsetof(MemOp, flags) &&
+                  CU_STREAM_MEM_OP_WAIT_VALUE_32 == 1 && CU_STREAM_MEM_OP_WRITE_VALUE_32 == 2,
+              "torch_ce: MemOp does not match cuda.h's CUstreamBatchMemOpParams");
+#endif
+using StreamBatchMemOpFn = int (*)(cudaStream_t, unsigned int, MemOp*, unsigned int);
 
-void rs_write(cudaStream_t s, uint64_t addr, uint32_t value) {
-  static auto fn = reinterpret_cast<StreamWriteValue32Fn>(driver_entry("cuStreamWriteValue32"));
-  // Default flags: a memory barrier before the write (NOTE [stream flags]).
-  int rc = fn(s, static_cast<unsigned long long>(addr), value, 0u);
-  TORCH_CHECK(rc == 0, "torch_ce: cuStreamWriteValue32 failed (CUresult ", rc, ")");
-}
+class MemOps {
+ public:
+  MemOps(cudaStream_t stream, int device) : stream_(stream), wait_flags_(wait_flags(device)) {}
+  void wait(uint64_t addr, uint32_t value) { add(1u, addr, value, wait_flags_); }
+  void write(uint64_t addr, uint32_t value) { add(2u, addr, value, 0u); }
+  // Everything added so far, in order, into the stream.
+  void enqueue() {
+    if (n_ == 0) return;
+    static auto fn = reinterpret_cast<StreamBatchMemOpFn>(driver_entry("cuStreamBatchMemOp"));
+    const unsigned int n = n_;
+    n_ = 0;
+    int rc = fn(stream_, n, ops_, 0u);
+    TORCH_CHECK(rc == 0, "torch_ce: cuStreamBatchMemOp of ", n, " operations failed (CUresult ", rc, ")");
+  }
+
+ private:
+  static constexpr unsigned int kMax = 128;  // the driver takes fewer than 256 per call
+  void add(uint32_t op, uint64_t addr, uint32_t value, unsigned int flags) {
+    if (n_ == kMax) enqueue();
+    ops_[n_++] = MemOp{op, 0u, addr, value, flags, 0u, 0u, 0u};
+  }
+  cudaStream_t stream_;
+  unsigned int wait_flags_;
+  unsigned int n_ = 0;
+  MemOp ops_[kMax];
+};
 
 // Address tables, each [half * world + peer].
 enum RsTable : int {
@@ -1176,11 +1227,13 @@ std::tuple<c10::intrusive_ptr<RsCall>, std::vector<at::Tensor>> rs_launch(
   give_event(device, ready);
   rs_mark(1, t0);
   const auto esize = ws->esize;
+  MemOps ops(ws->copy, device);
   for (int64_t k = 1; k < w; ++k) {
     const int64_t j = (i + k) % w;
     const uint64_t free_flag = ws->at(kOwnFree, half, j);
-    rs_wait(ws->copy, free_flag, 1u, device);
-    rs_write(ws->copy, free_flag, 0u);
+    ops.wait(free_flag, 1u);
+    ops.write(free_flag, 0u);
+    ops.enqueue();
     rs_mark(2, t0);
     char* dst = reinterpret_cast<char*>(ws->at(kPeerRecv, half, j));
     for (size_t m = 0; m < call->flats.size(); ++m) {
@@ -1192,9 +1245,10 @@ std::tuple<c10::intrusive_ptr<RsCall>, std::vector<at::Tensor>> rs_launch(
       dst += n * esize;
     }
     rs_mark(3, t0);
-    rs_write(ws->copy, ws->at(kPeerSeq, half, j), static_cast<uint32_t>(seq));
-    rs_write(ws->copy, ws->at(kPeerNumel, half, j), static_cast<uint32_t>(numel));
-    rs_write(ws->copy, ws->at(kPeerData, half, j), static_cast<uint32_t>(tag));
+    ops.write(ws->at(kPeerSeq, half, j), static_cast<uint32_t>(seq));
+    ops.write(ws->at(kPeerNumel, half, j), static_cast<uint32_t>(numel));
+    ops.write(ws->at(kPeerData, half, j), static_cast<uint32_t>(tag));
+    ops.enqueue();
     rs_mark(4, t0);
   }
   call->pushed = take_event(device);
@@ -1293,15 +1347,18 @@ void rs_complete(const c10::intrusive_ptr<RsCall>& call, bool wait_current) {
     const int64_t w = ws.world, i = ws.self, h = call->half;
     CE_CUDA_CHECK(cudaStreamWaitEvent(ws.reduce, call->pushed, 0), "cudaStreamWaitEvent");
     rs_mark(7, t0);
+    MemOps ops(ws.reduce, device);
     for (int64_t k = 1; k < w; ++k) {  // every sender checked before anything is reduced
       const uint64_t flag = ws.at(kOwnData, h, (i + k) % w);
-      rs_wait(ws.reduce, flag, static_cast<uint32_t>(call->tag), device);
-      rs_write(ws.reduce, flag, 0u);
+      ops.wait(flag, static_cast<uint32_t>(call->tag));
+      ops.write(flag, 0u);
     }
+    ops.enqueue();
     rs_mark(8, t0);
     rs_reduce(*call);
     rs_mark(9, t0);
-    for (int64_t k = 1; k < w; ++k) rs_write(ws.reduce, ws.at(kPeerFree, h, (i + k) % w), 1u);
+    for (int64_t k = 1; k < w; ++k) ops.write(ws.at(kPeerFree, h, (i + k) % w), 1u);
+    ops.enqueue();
     rs_mark(10, t0);
     call->done = take_event(device);
     CE_CUDA_CHECK(cudaEventRecord(call->done, ws.reduce), "cudaEventRecord");

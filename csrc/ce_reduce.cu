@@ -12,8 +12,9 @@
 // ``blockIdx.y`` is a member, its blocks grid-stride over the member's elements in
 // 16-byte vectors (4 fp32 or 8 bf16; where the member's own chunk, output and
 // offset in the slices are 16-byte aligned, else element by element), each thread
-// loading the W sources of its vector in group index order and accumulating in
-// fp32.
+// loading the W sources of its vector (up to kBatch at once, so their loads overlap)
+// and accumulating them in group index order in fp32. The grid spreads a member's
+// vectors evenly over the grid-stride rounds that the block cap needs.
 //
 // Numerics: those of reduce_scatter._reduce on CUDA (the reference and the host
 // transport's twin), bit for bit: the sum is left to right in group index order,
@@ -34,6 +35,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocksX = 1024;
+constexpr int kBatch = 4;  // sources whose loads a thread issues before adding them
 
 template <typename T>
 struct Elem;
@@ -124,12 +126,29 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(Args a, unsigned int v
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
     if (u < nvec) {
-      float acc[V], x[V];
-      for (int j = 0; j < a.world; ++j) {
-        const void* src = j == a.self ? seg.own : static_cast<const void*>(base + j * a.slice_bytes);
-        E::load_vec(src, u, x);
+      // Up to kBatch sources' vectors loaded before any is added: their loads are in
+      // flight together (a loop of load-then-add keeps one 16-byte load per thread in
+      // flight, latency-bound where a grid-stride round leaves threads idle). The adds
+      // stay left to right in group index order.
+      float acc[V];
+      for (int j0 = 0; j0 < a.world; j0 += kBatch) {
+        float x[kBatch][V];
 #pragma unroll
-        for (int q = 0; q < V; ++q) acc[q] = j == 0 ? first(x[q], a.op, a.scale) : add(acc[q], x[q], a.op, a.scale);
+        for (int b = 0; b < kBatch; ++b) {
+          const int j = j0 + b;
+          if (j < a.world) {
+            const void* src = j == a.self ? seg.own : static_cast<const void*>(base + j * a.slice_bytes);
+            E::load_vec(src, u, x[b]);
+          }
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int j = j0 + b;
+          if (j < a.world) {
+#pragma unroll
+            for (int q = 0; q < V; ++q) acc[q] = j == 0 ? first(x[b][q], a.op, a.scale) : add(acc[q], x[b][q], a.op, a.scale);
+          }
+        }
       }
 #pragma unroll
       for (int q = 0; q < V; ++q) acc[q] = bad ? __int_as_float(0x7FC00000) : finish(acc[q], a.op, a.scale);
