@@ -41,6 +41,6 @@ echo "rs_host_breakdown rc=$? ($(( $(date +%s) - t4 )) s)" | tee -a "$OUT/summar
 echo "---- short table ----"
 grep -hE "(PASSED|FAILED|ERROR|XFAIL|XPASS)|passed|failed" "$OUT/tests.log" | sed 's/^test\///' | cut -c1-150 | tail -40
 grep -hE "chunk MiB|^ *[0-9.]+ +[0-9.]+ +[0-9.]+" "$OUT/fsdp2_loopback.log" | head -n 8
-tail -n 14 "$OUT/rs_cost.log" | cut -c1-170
+tail -n 15 "$OUT/rs_cost.log" | cut -c1-180
 head -n 22 "$OUT/rs_host_breakdown.txt"
 echo "total $(( $(date +%s) - t0 )) s"
