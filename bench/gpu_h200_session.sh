@@ -11,7 +11,8 @@
 #   4. torch-ce bench fsdp2 --loopback: host us per call of the hook beside NCCL's
 #   5. bench/rs_cost.py: host us per rank-call (NCCL functional, Python path, native path),
 #      the reduction kernel's GB/s against the HBM copy bandwidth, CUDA-graph replay
-#   6. bench/compare/rs_host_breakdown.py: where a native call's host time goes
+#   6. the same for buckets of 8 tensors (--members 8: the pushes' batched memcpys)
+#   7. bench/compare/rs_host_breakdown.py: where a native call's host time goes
 # Logs, JSON and PNG under $OUT; a short table last.
 #   run: bash bench/gpu_h200_session.sh
 set -u
@@ -35,6 +36,10 @@ echo "fsdp2 loopback rc=$? ($(( $(date +%s) - t2 )) s)" | tee -a "$OUT/summary.t
 t3=$(date +%s)
 timeout "$(cap 200)" python3 bench/rs_cost.py --iters 30 --out "$OUT" > "$OUT/rs_cost.log" 2>&1
 echo "rs_cost rc=$? ($(( $(date +%s) - t3 )) s)" | tee -a "$OUT/summary.txt"
+t5=$(date +%s)
+timeout "$(cap 60)" python3 bench/rs_cost.py --iters 30 --members 8 --mib 1,16 --dtypes float32 --out "$OUT/members8" \
+  > "$OUT/rs_cost_members8.log" 2>&1
+echo "rs_cost --members 8 rc=$? ($(( $(date +%s) - t5 )) s)" | tee -a "$OUT/summary.txt"
 t4=$(date +%s)
 timeout "$(cap 60)" python3 bench/compare/rs_host_breakdown.py > "$OUT/rs_host_breakdown.txt" 2>&1
 echo "rs_host_breakdown rc=$? ($(( $(date +%s) - t4 )) s)" | tee -a "$OUT/summary.txt"
@@ -42,5 +47,6 @@ echo "---- short table ----"
 grep -hE "(PASSED|FAILED|ERROR|XFAIL|XPASS)|passed|failed" "$OUT/tests.log" | sed 's/^test\///' | cut -c1-150 | tail -40
 grep -hE "chunk MiB|^ *[0-9.]+ +[0-9.]+ +[0-9.]+" "$OUT/fsdp2_loopback.log" | head -n 8
 tail -n 15 "$OUT/rs_cost.log" | cut -c1-180
+tail -n 7 "$OUT/rs_cost_members8.log" | cut -c1-180
 head -n 22 "$OUT/rs_host_breakdown.txt"
 echo "total $(( $(date +%s) - t0 )) s"

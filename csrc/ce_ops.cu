@@ -968,8 +968,9 @@ void host_unregister(int64_t addr) {
 //                 bounded syncs still see them)
 //   rs_launch     the outputs (unless given), the copy stream after the current
 //                 one, for each peer j from i + 1 on: wait free[h, j] == 1 (EQ),
-//                 reset it, one cudaMemcpyAsync per bucket member into j's recv[h, i]
-//                 (capturable), write seq, numel, then the tag (default flags: a
+//                 reset it, the bucket's members into j's recv[h, i] (one
+//                 cudaMemcpyAsync each: capturable; outside a capture a bucket of
+//                 several members is one cudaMemcpyBatchAsync, CUDA >= 12.8), write seq, numel, then the tag (default flags: a
 //                 memory barrier before each write); an event after the pushes; the
 //                 c10d work on the outputs (``register_work``). A peer's wait and reset
 //                 are one cuStreamBatchMemOp, its three writes another (MemOps)
@@ -1228,6 +1229,14 @@ std::tuple<c10::intrusive_ptr<RsCall>, std::vector<at::Tensor>> rs_launch(
   rs_mark(1, t0);
   const auto esize = ws->esize;
   MemOps ops(ws->copy, device);
+  // A bucket of several members: one cudaMemcpyBatchAsync per peer (CUDA >= 12.8, not while
+  // capturing: per-copy memcpys are what a graph takes, as in the gathers).
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  CE_CUDA_CHECK(cudaStreamIsCapturing(cur.stream(), &cap), "cudaStreamIsCapturing");
+  const bool batched = call->flats.size() > 1 && cap == cudaStreamCaptureStatusNone && batch_ok();
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
   for (int64_t k = 1; k < w; ++k) {
     const int64_t j = (i + k) % w;
     const uint64_t free_flag = ws->at(kOwnFree, half, j);
@@ -1236,13 +1245,31 @@ std::tuple<c10::intrusive_ptr<RsCall>, std::vector<at::Tensor>> rs_launch(
     ops.enqueue();
     rs_mark(2, t0);
     char* dst = reinterpret_cast<char*>(ws->at(kPeerRecv, half, j));
-    for (size_t m = 0; m < call->flats.size(); ++m) {
-      const int64_t n = call->ns[m];
-      if (n > 0)
-        CE_CUDA_CHECK(cudaMemcpyAsync(dst, static_cast<const char*>(call->flats[m].data_ptr()) + j * n * esize,
-                                      static_cast<size_t>(n * esize), cudaMemcpyDeviceToDevice, ws->copy),
-                      "cudaMemcpyAsync");
-      dst += n * esize;
+    if (batched) {  // every member's chunk in one driver call (the gathers' batch, ce_copy.h)
+      dsts.clear();
+      srcs.clear();
+      sizes.clear();
+      for (size_t m = 0; m < call->flats.size(); ++m) {
+        const int64_t n = call->ns[m];
+        if (n > 0) {
+          dsts.push_back(dst);
+          srcs.push_back(static_cast<const char*>(call->flats[m].data_ptr()) + j * n * esize);
+          sizes.push_back(static_cast<size_t>(n * esize));
+        }
+        dst += n * esize;
+      }
+      CE_CUDA_CHECK(torch_ce_copy::batch(dsts.data(), srcs.data(), sizes.data(), dsts.size(),
+                                         /*prefer_overlap=*/true, ws->copy),
+                    "cudaMemcpyBatchAsync");
+    } else {
+      for (size_t m = 0; m < call->flats.size(); ++m) {
+        const int64_t n = call->ns[m];
+        if (n > 0)
+          CE_CUDA_CHECK(cudaMemcpyAsync(dst, static_cast<const char*>(call->flats[m].data_ptr()) + j * n * esize,
+                                        static_cast<size_t>(n * esize), cudaMemcpyDeviceToDevice, ws->copy),
+                        "cudaMemcpyAsync");
+        dst += n * esize;
+      }
     }
     rs_mark(3, t0);
     ops.write(ws->at(kPeerSeq, half, j), static_cast<uint32_t>(seq));
