@@ -12,7 +12,9 @@
 #   5. bench/rs_cost.py: host us per rank-call (NCCL functional, Python path, native path),
 #      the reduction kernel's GB/s against the HBM copy bandwidth, CUDA-graph replay
 #   6. the same for buckets of 8 tensors (--members 8: the pushes' batched memcpys)
-#   7. bench/compare/rs_host_breakdown.py: where a native call's host time goes
+#   7. bench/compare/rs_host_breakdown.py, worlds 2 and 3: where a native call's host time
+#      goes, and the GPU's own time per rank-call, with the flag operations batched and
+#      one driver call each (native.rs_memop_batching)
 # Logs, JSON and PNG under $OUT; a short table last.
 #   run: bash bench/gpu_h200_session.sh
 set -u
@@ -43,10 +45,15 @@ echo "rs_cost --members 8 rc=$? ($(( $(date +%s) - t5 )) s)" | tee -a "$OUT/summ
 t4=$(date +%s)
 timeout "$(cap 60)" python3 bench/compare/rs_host_breakdown.py > "$OUT/rs_host_breakdown.txt" 2>&1
 echo "rs_host_breakdown rc=$? ($(( $(date +%s) - t4 )) s)" | tee -a "$OUT/summary.txt"
+t6=$(date +%s)
+timeout "$(cap 60)" python3 bench/compare/rs_host_breakdown.py --world 3 > "$OUT/rs_host_breakdown_w3.txt" 2>&1
+echo "rs_host_breakdown --world 3 rc=$? ($(( $(date +%s) - t6 )) s)" | tee -a "$OUT/summary.txt"
 echo "---- short table ----"
 grep -hE "(PASSED|FAILED|ERROR|XFAIL|XPASS)|passed|failed" "$OUT/tests.log" | sed 's/^test\///' | cut -c1-150 | tail -40
 grep -hE "chunk MiB|^ *[0-9.]+ +[0-9.]+ +[0-9.]+" "$OUT/fsdp2_loopback.log" | head -n 8
 tail -n 15 "$OUT/rs_cost.log" | cut -c1-180
 tail -n 7 "$OUT/rs_cost_members8.log" | cut -c1-180
-head -n 22 "$OUT/rs_host_breakdown.txt"
+for f in rs_host_breakdown rs_host_breakdown_w3; do
+  echo "-- $f"; grep -hE "^==|per rank-call us|C\+\+ total|NCCL functional" "$OUT/$f.txt" | cut -c1-160
+done
 echo "total $(( $(date +%s) - t0 )) s"

@@ -970,7 +970,7 @@ void host_unregister(int64_t addr) {
 //                 one, for each peer j from i + 1 on: wait free[h, j] == 1 (EQ),
 //                 reset it, the bucket's members into j's recv[h, i] (one
 //                 cudaMemcpyAsync each: capturable; outside a capture a bucket of
-//                 several members is one cudaMemcpyBatchAsync, CUDA >= 12.8), write seq, numel, then the tag (default flags: a
+//                 three or more members is one cudaMemcpyBatchAsync, CUDA >= 12.8), write seq, numel, then the tag (default flags: a
 //                 memory barrier before each write); an event after the pushes; the
 //                 c10d work on the outputs (``register_work``). A peer's wait and reset
 //                 are one cuStreamBatchMemOp, its three writes another (MemOps)
@@ -1050,6 +1050,17 @@ static_assert(sizeof(CUstreamBatchMemOpParams) == sizeof(MemOp) &&
 #endif
 using StreamBatchMemOpFn = int (*)(cudaStream_t, unsigned int, MemOp*, unsigned int);
 
+// An A/B knob (rs_memop_batching; bench/compare/rs_host_breakdown.py measures both): off,
+// MemOps enqueues each operation with its single call, as before the batches.
+std::atomic<bool> g_rs_memop_batch{true};
+
+// mode 0: read; 1: batches; 2: one call per operation. Returns whether batches are on.
+bool rs_memop_batching(int64_t mode) {
+  TORCH_CHECK(mode >= 0 && mode <= 2, "torch_ce: rs_memop_batching: mode ", mode, " is not 0, 1 or 2");
+  if (mode != 0) g_rs_memop_batch.store(mode == 1);
+  return g_rs_memop_batch.load();
+}
+
 class MemOps {
  public:
   MemOps(cudaStream_t stream, int device) : stream_(stream), wait_flags_(wait_flags(device)) {}
@@ -1058,9 +1069,21 @@ class MemOps {
   // Everything added so far, in order, into the stream.
   void enqueue() {
     if (n_ == 0) return;
-    static auto fn = reinterpret_cast<StreamBatchMemOpFn>(driver_entry("cuStreamBatchMemOp"));
     const unsigned int n = n_;
     n_ = 0;
+    if (!g_rs_memop_batch.load(std::memory_order_relaxed)) {
+      static auto wait = reinterpret_cast<StreamWaitValue32Fn>(driver_entry("cuStreamWaitValue32"));
+      static auto write = reinterpret_cast<StreamWriteValue32Fn>(driver_entry("cuStreamWriteValue32"));
+      for (unsigned int k = 0; k < n; ++k) {
+        const MemOp& o = ops_[k];
+        int rc = (o.operation == 1u ? wait : write)(stream_, static_cast<unsigned long long>(o.address),
+                                                    static_cast<unsigned int>(o.value), o.flags);
+        TORCH_CHECK(rc == 0, "torch_ce: cuStream", o.operation == 1u ? "Wait" : "Write",
+                    "Value32 failed (CUresult ", rc, ")");
+      }
+      return;
+    }
+    static auto fn = reinterpret_cast<StreamBatchMemOpFn>(driver_entry("cuStreamBatchMemOp"));
     int rc = fn(stream_, n, ops_, 0u);
     TORCH_CHECK(rc == 0, "torch_ce: cuStreamBatchMemOp of ", n, " operations failed (CUresult ", rc, ")");
   }
@@ -1229,11 +1252,14 @@ std::tuple<c10::intrusive_ptr<RsCall>, std::vector<at::Tensor>> rs_launch(
   rs_mark(1, t0);
   const auto esize = ws->esize;
   MemOps ops(ws->copy, device);
-  // A bucket of several members: one cudaMemcpyBatchAsync per peer (CUDA >= 12.8, not while
-  // capturing: per-copy memcpys are what a graph takes, as in the gathers).
+  // A bucket of kBatchMembers or more members: one cudaMemcpyBatchAsync per peer (CUDA >=
+  // 12.8, not while capturing: per-copy memcpys are what a graph takes, as in the gathers).
+  // Fewer go one cudaMemcpyAsync each: a batch of two cost as much host time as two single
+  // copies (~14-17 against ~7-8 us each, perf-notes section 4).
+  constexpr size_t kBatchMembers = 3;
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   CE_CUDA_CHECK(cudaStreamIsCapturing(cur.stream(), &cap), "cudaStreamIsCapturing");
-  const bool batched = call->flats.size() > 1 && cap == cudaStreamCaptureStatusNone && batch_ok();
+  const bool batched = call->flats.size() >= kBatchMembers && cap == cudaStreamCaptureStatusNone && batch_ok();
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;
@@ -1589,6 +1615,7 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("rs_register(int call) -> ()", &rs_register_h);
   m.def("rs_query(int call) -> int", &rs_query_h);
   m.def("rs_stages(int[] calls) -> int[]", &rs_stages);
+  m.def("rs_memop_batching(int mode) -> bool", &rs_memop_batching);
   m.def("rs_forget(int handle) -> ()", &rs_forget);
   m.def("rs_handle_count() -> int", &rs_handle_count);
   m.def("rs_has_kernel() -> bool", &rs_has_kernel);

@@ -9,12 +9,14 @@ waits need):
   coalesced buckets (these completed by their outputs' ``wait_tensor``: the op's c10d
   work), ten calls in a row (both halves, the flags back to their start after each): every rank's output equals the documented sum (group index order, fp32), and at
   world 2 fp32 the plain ``a + b``; the flags end as they began.
+- ``test_loopback_many_members``: buckets of five uneven members (the native pushes'
+  batched memcpys), worlds 2 and 3, exact.
 - ``test_capture_and_replays``: the same calls captured in a CUDA graph and replayed
   five times while the inputs change: each replay exact on the new inputs.
 - ``test_profile_has_no_transport_kernel``: a profiled call runs the pushes as memcpys,
   the flags as stream memory operations, and no kernel but the reduction's (an add per
   peer; a cast for bf16); no host synchronisation.
-- ``test_one_hardware_queue``: the three tests above again in a subprocess with
+- ``test_one_hardware_queue``: the tests above again in a subprocess with
   ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (every stream on one queue): they finish, exact.
 - ``test_flag_order_under_load``: 24 calls of 32 MiB slices enqueued back to back, no
   host sync between them, then every output checked: a flag never lets a reduction read a
@@ -154,6 +156,29 @@ def test_loopback_exact(world, rs_native):
         assert native.rs_handle_count() == held + owed, (native.rs_handle_count(), held, owed)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_loopback_many_members(world, rs_native):
+    """A bucket of five members of uneven sizes (a layer's bucket): the native launch pushes
+    them to each peer in one cudaMemcpyBatchAsync (three or more members), the Python path
+    one copy each; exact at worlds 2 and 3, fp32 and bf16, sum and avg, completed directly
+    and through the outputs' wait_tensor."""
+    gen = torch.Generator(device="cuda").manual_seed(31 + world)
+    shapes = [(7, 33), (1,), (64, 5), (3, 1, 11), (130,)]
+    for dtype in (torch.float32, torch.bfloat16):
+        wss = loopback_workspaces(world, 4096, dtype)
+        for call in range(6):
+            xs = [[torch.randn(world * s[0], *s[1:], device="cuda", generator=gen).to(dtype) for s in shapes]
+                  for _ in range(world)]
+            op = "avg" if call == 3 else "sum"
+            outs = loopback_reduce_scatter(wss, xs, op, f"many {call}", via_wait_tensor=call % 2 == 1)
+            torch.cuda.synchronize()
+            for r in range(world):
+                want = _documented(xs, r, world, op)
+                assert [o.shape for o in outs[r]] == [e.shape for e in want]
+                for k, (o, e) in enumerate(zip(outs[r], want, strict=True)):
+                    assert torch.equal(o, e), (world, dtype, call, r, k)
+
+
 def test_capture_and_replays(rs_native):
     w, dtype = 2, torch.float32
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -236,7 +261,7 @@ def test_one_hardware_queue():
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
     here = os.path.dirname(os.path.abspath(__file__))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(here, os.path.basename(__file__)),
-           "-k", "loopback_exact or capture_and_replays or profile_has_no_transport_kernel or flag_order "
+           "-k", "loopback_exact or loopback_many_members or capture_and_replays or profile_has_no_transport_kernel or flag_order "
            "or native_runs_one_reduction_kernel"]
     t0 = time.monotonic()
     p = subprocess.run(cmd, env=env, cwd=here, capture_output=True, text=True, timeout=300)

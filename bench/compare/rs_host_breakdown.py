@@ -1,11 +1,13 @@
-"""Where a native reduce-scatter call's host time goes (one GPU, loopback, world 2).
+"""Where a native reduce-scatter call's host time goes (one GPU, loopback, world 2 or --world).
 
 Times per rank-call: the whole call as bench/rs_cost.py times it (launch with the work
 registered, then each output's ``wait_tensor``), its launch and its wait separately, the
-C++ launch alone (``native.rs_launch``), the cost of a torch.ops call into the library
+C++ launch alone (``native.rs_launch``), the GPU's own time (the calls enqueued behind a
+spin), the C++ pieces, each with the flag operations batched and one driver call each
+(``native.rs_memop_batching``, where the library has it), the cost of a torch.ops call into the library
 with and without a custom-class argument, and a cProfile of 300 calls (top 30 by own
 time). A probe for perf-notes, not a benchmark.
-    python3 bench/compare/rs_host_breakdown.py [--mib 1] [--dtype float32]
+    python3 bench/compare/rs_host_breakdown.py [--mib 1] [--dtype float32] [--world 2]
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def main() -> None:
     ap.add_argument("--mib", type=float, default=1.0)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--world", type=int, default=2)
     a = ap.parse_args()
     import torch.distributed as dist
     from cuda_helpers import loopback_workspaces
@@ -37,9 +40,11 @@ def main() -> None:
 
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
-    w, dtype = 2, getattr(torch, a.dtype)
+    w, dtype = a.world, getattr(torch, a.dtype)
     numel = int(a.mib * 2**20) // dtype.itemsize
-    xs = [[torch.randn(numel // 1024, 1024, device="cuda").to(dtype)] for _ in range(w)]
+    rows = max(w, numel // 1024 // w * w)  # whole rows per rank
+    numel = rows * 1024
+    xs = [[torch.randn(rows, 1024, device="cuda").to(dtype)] for _ in range(w)]
     f = torch.ops._c10d_functional
     torch_ce.config.rs_native = True
     wss = loopback_workspaces(w, numel // w, dtype)
@@ -63,39 +68,62 @@ def main() -> None:
         acc["wait"] += time.perf_counter() - t1
         return outs
 
-    for _ in range(30):
-        call()
-    torch.cuda.synchronize()
-    for k in acc:
-        acc[k] = 0.0
-    t = time.perf_counter()
-    for _ in range(a.iters):
-        call()
-    total = time.perf_counter() - t
-    torch.cuda.synchronize()
-    per = lambda s: s / a.iters / w * 1e6  # noqa: E731  per rank-call, us
-    print(f"per rank-call us: total {per(total):.1f}  launch {per(acc['launch']):.1f} "
-          f"(C++ rs_launch {per(acc['cxx']):.1f})  wait_tensor {per(acc['wait']):.1f}")
-    # the C++ pieces (csrc/ce_ops.cu rs_timing), a second timed loop with the probe on
-    native.rs_timing(1)
-    t = time.perf_counter()
-    for _ in range(a.iters):
-        call()
-    total_probed = time.perf_counter() - t
-    pieces = native.rs_timing(2)
-    torch.cuda.synchronize()
+    def gpu_busy_us() -> float:
+        """The GPU's own time per rank-call: the calls enqueued behind a ~50 ms spin, timed
+        from its end (the host ahead of the GPU)."""
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(100_000_000)
+        start.record()
+        for _ in range(50):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / 50 / w
+
     names = ("launch: setup+outputs", "launch: ready event", "launch: free wait+reset", "launch: memcpys",
              "launch: header+tag writes", "launch: pushed event", "launch: work registration",
              "complete: pushed wait", "complete: data waits+resets", "complete: reduction launch",
              "complete: free writes", "complete: done event+wait")
-    print(f"with the C++ probe on: total {per(total_probed):.1f} us per rank-call; C++ pieces (us per rank-call):")
-    for nm, v in zip(names, pieces):
-        print(f"  {nm:30s} {per(v):7.2f}")
-    print(f"  {'C++ total':30s} {per(sum(pieces)):7.2f}")
+    per = lambda s: s / a.iters / w * 1e6  # noqa: E731  per rank-call, us
+    # The flag operations batched (the default) and one driver call each (the A/B knob).
+    modes = [1, 2] if hasattr(torch.ops.torch_ce_native, "rs_memop_batching") else [None]
+    for mode in modes:
+        if mode is not None:
+            native.rs_memop_batching(mode)
+            print(f"== flag operations: {'cuStreamBatchMemOp batches' if mode == 1 else 'one driver call each'}")
+        for _ in range(30):
+            call()
+        torch.cuda.synchronize()
+        for k in acc:
+            acc[k] = 0.0
+        t = time.perf_counter()
+        for _ in range(a.iters):
+            call()
+        total = time.perf_counter() - t
+        torch.cuda.synchronize()
+        print(f"per rank-call us: total {per(total):.1f}  launch {per(acc['launch']):.1f} "
+              f"(C++ rs_launch {per(acc['cxx']):.1f})  wait_tensor {per(acc['wait']):.1f}  "
+              f"GPU's own {gpu_busy_us():.1f}")
+        # the C++ pieces (csrc/ce_ops.cu rs_timing), a second timed loop with the probe on
+        native.rs_timing(1)
+        t = time.perf_counter()
+        for _ in range(a.iters):
+            call()
+        total_probed = time.perf_counter() - t
+        pieces = native.rs_timing(2)
+        torch.cuda.synchronize()
+        print(f"with the C++ probe on: total {per(total_probed):.1f} us per rank-call; C++ pieces (us per rank-call):")
+        for nm, v in zip(names, pieces):
+            print(f"  {nm:30s} {per(v):7.2f}")
+        print(f"  {'C++ total':30s} {per(sum(pieces)):7.2f}")
+    if modes[0] is not None:
+        native.rs_memop_batching(1)
     # torch.ops dispatch into the library
     ops = torch.ops.torch_ce_native
     handle = RS.launch(wss[0], xs[0], "sum", "q").native
-    RS.complete(RS.launch(wss[1], xs[1], "sum", "q"))
+    for r in range(1, w):  # every rank's part of the call, so rank 0's completes too
+        RS.complete(RS.launch(wss[r], xs[r], "sum", "q"))
     flat = xs[0][0].view(-1)
     for label, fn in (("torch.ops no-arg (rs_has_kernel)", lambda: ops.rs_has_kernel()),
                       ("torch.ops int-handle arg (rs_query)", lambda: ops.rs_query(handle.id)),

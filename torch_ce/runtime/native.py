@@ -404,6 +404,13 @@ def rs_timing(mode: int = 0) -> list:
     return list(torch.ops.torch_ce_native.rs_timing(int(mode)))
 
 
+def rs_memop_batching(mode: int = 0) -> bool:
+    """The native reduce-scatter's flag operations as cuStreamBatchMemOp batches (the
+    default) or one driver call each: 0 read, 1 batches, 2 single calls (an A/B knob for
+    bench/compare/rs_host_breakdown.py). Returns whether batches are on."""
+    return bool(torch.ops.torch_ce_native.rs_memop_batching(int(mode)))
+
+
 def has_rs_native() -> bool:
     """Whether the loaded library has the native reduce-scatter launch and completion."""
     if not _HAS_RS:
