@@ -970,10 +970,11 @@ void host_unregister(int64_t addr) {
 //                 one, for each peer j from i + 1 on: wait free[h, j] == 1 (EQ),
 //                 reset it, the bucket's members into j's recv[h, i] (one
 //                 cudaMemcpyAsync each: capturable; outside a capture a bucket of
-//                 three or more members is one cudaMemcpyBatchAsync, CUDA >= 12.8), write seq, numel, then the tag (default flags: a
-//                 memory barrier before each write); an event after the pushes; the
-//                 c10d work on the outputs (``register_work``). A peer's wait and reset
-//                 are one cuStreamBatchMemOp, its three writes another (MemOps)
+//                 three or more members is one cudaMemcpyBatchAsync, CUDA >= 12.8),
+//                 write seq, numel, then the tag (default flags: a memory barrier
+//                 before each write); an event after the pushes; the c10d work on
+//                 the outputs (``register_work``). A peer's wait and reset are one
+//                 cuStreamBatchMemOp, its three writes another (MemOps)
 //   rs_complete   once (idempotent): the reduce stream after the pushes, for each
 //                 peer wait data[h, j] == tag (EQ), reset it (all peers' in one
 //                 cuStreamBatchMemOp); the reduction (one
@@ -1017,8 +1018,6 @@ std::vector<double> rs_timing(int64_t mode) {
   }
   return std::vector<double>(std::begin(g_rs_t), std::end(g_rs_t));
 }
-
-using StreamWaitFn = int (*)(cudaStream_t, unsigned long long, unsigned int, unsigned int);
 
 // A call's flag waits and writes as batches: cuStreamBatchMemOp enqueues its operations
 // in array order, each as its single call would (a wait EQ, FLUSH where the device has it;
