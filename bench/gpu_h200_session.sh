@@ -11,6 +11,7 @@
 #   4. torch-ce bench fsdp2 --loopback: host us per call of the hook beside NCCL's
 #   5. bench/rs_cost.py: host us per rank-call (NCCL functional, Python path, native path),
 #      the reduction kernel's GB/s against the HBM copy bandwidth, CUDA-graph replay
+#   5b. bench/compare/reduce_kernel_probe.py: the reduction kernel's four tunings
 #   6. the same for buckets of 8 tensors (--members 8: the pushes' batched memcpys)
 #   7. bench/compare/rs_host_breakdown.py, worlds 2 and 3: where a native call's host time
 #      goes, and the GPU's own time per rank-call, with the flag operations batched and
@@ -38,6 +39,9 @@ echo "fsdp2 loopback rc=$? ($(( $(date +%s) - t2 )) s)" | tee -a "$OUT/summary.t
 t3=$(date +%s)
 timeout "$(cap 200)" python3 bench/rs_cost.py --iters 30 --out "$OUT" > "$OUT/rs_cost.log" 2>&1
 echo "rs_cost rc=$? ($(( $(date +%s) - t3 )) s)" | tee -a "$OUT/summary.txt"
+t7=$(date +%s)
+timeout "$(cap 90)" python3 bench/compare/reduce_kernel_probe.py --out "$OUT" > "$OUT/reduce_kernel_probe.log" 2>&1
+echo "reduce_kernel_probe rc=$? ($(( $(date +%s) - t7 )) s)" | tee -a "$OUT/summary.txt"
 t5=$(date +%s)
 timeout "$(cap 60)" python3 bench/rs_cost.py --iters 30 --members 8 --mib 1,16 --dtypes float32 --out "$OUT/members8" \
   > "$OUT/rs_cost_members8.log" 2>&1
@@ -53,6 +57,7 @@ grep -hE "(PASSED|FAILED|ERROR|XFAIL|XPASS)|passed|failed" "$OUT/tests.log" | se
 grep -hE "chunk MiB|^ *[0-9.]+ +[0-9.]+ +[0-9.]+" "$OUT/fsdp2_loopback.log" | head -n 8
 tail -n 15 "$OUT/rs_cost.log" | cut -c1-180
 tail -n 7 "$OUT/rs_cost_members8.log" | cut -c1-180
+tail -n 11 "$OUT/reduce_kernel_probe.log" | cut -c1-120
 for f in rs_host_breakdown rs_host_breakdown_w3; do
   echo "-- $f"; grep -hE "^==|per rank-call us|C\+\+ total|NCCL functional" "$OUT/$f.txt" | cut -c1-160
 done

@@ -1573,6 +1573,24 @@ bool rs_has_kernel() {
 #endif
 }
 
+// The reduction kernel's A/B knob (ce_reduce.h set_tuning): ``batch`` 0 reads, 1 or 4 sets
+// it with ``even``. Returns [batch, even] now; [] without the kernel.
+std::vector<int64_t> rs_reduce_tuning(int64_t batch, int64_t even) {
+#ifdef TORCH_CE_REDUCE_KERNEL
+  if (batch != 0)
+    TORCH_CHECK(torch_ce_reduce::set_tuning(static_cast<int>(batch), even != 0),
+                "torch_ce: rs_reduce_tuning: batch ", batch, " is not 1 or 4");
+  int b = 0;
+  bool e = false;
+  torch_ce_reduce::tuning(&b, &e);
+  return {b, e ? 1 : 0};
+#else
+  (void)batch;
+  (void)even;
+  return {};
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torch_ce_native, m) {
@@ -1615,6 +1633,7 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("rs_query(int call) -> int", &rs_query_h);
   m.def("rs_stages(int[] calls) -> int[]", &rs_stages);
   m.def("rs_memop_batching(int mode) -> bool", &rs_memop_batching);
+  m.def("rs_reduce_tuning(int batch, int even) -> int[]", &rs_reduce_tuning);
   m.def("rs_forget(int handle) -> ()", &rs_forget);
   m.def("rs_handle_count() -> int", &rs_handle_count);
   m.def("rs_has_kernel() -> bool", &rs_has_kernel);

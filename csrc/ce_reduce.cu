@@ -30,12 +30,15 @@
 
 #include <cuda_bf16.h>
 
+#include <atomic>
+
 namespace torch_ce_reduce {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocksX = 1024;
-constexpr int kBatch = 4;  // sources whose loads a thread issues before adding them
+std::atomic<int> g_batch{4};  // sources whose loads a thread issues before adding them (1 or 4)
+std::atomic<bool> g_even{true};  // the grid spread evenly over the rounds (else the block cap)
 
 template <typename T>
 struct Elem;
@@ -106,7 +109,7 @@ __device__ inline float finish(float acc, int op, float scale) {
   return op == kAvg ? __fmul_rn(acc, scale) : acc;
 }
 
-template <typename T>
+template <typename T, int kBatch>
 __global__ void __launch_bounds__(kThreads) reduce_kernel(Args a, unsigned int vec_mask_lo,
                                                           unsigned int vec_mask_hi) {
   using E = Elem<T>;
@@ -197,13 +200,34 @@ cudaError_t launch_reduce(const Args& args, bool bf16, cudaStream_t stream) {
   // bandwidth in run 66, perf-notes section 23).
   const int64_t per_round = kThreads * kMaxBlocksX;
   const int64_t rounds = (most + per_round - 1) / per_round;
-  const int64_t bx = (most + kThreads * rounds - 1) / (kThreads * rounds);
+  int64_t bx = (most + kThreads * rounds - 1) / (kThreads * rounds);
+  if (!g_even.load(std::memory_order_relaxed)) {
+    bx = (most + kThreads - 1) / kThreads;
+    if (bx > kMaxBlocksX) bx = kMaxBlocksX;
+  }
   const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(args.nseg));
-  if (bf16)
-    reduce_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(args, lo, hi);
+  const bool batch4 = g_batch.load(std::memory_order_relaxed) == 4;
+  if (bf16 && batch4)
+    reduce_kernel<__nv_bfloat16, 4><<<grid, kThreads, 0, stream>>>(args, lo, hi);
+  else if (bf16)
+    reduce_kernel<__nv_bfloat16, 1><<<grid, kThreads, 0, stream>>>(args, lo, hi);
+  else if (batch4)
+    reduce_kernel<float, 4><<<grid, kThreads, 0, stream>>>(args, lo, hi);
   else
-    reduce_kernel<float><<<grid, kThreads, 0, stream>>>(args, lo, hi);
+    reduce_kernel<float, 1><<<grid, kThreads, 0, stream>>>(args, lo, hi);
   return cudaGetLastError();
+}
+
+bool set_tuning(int batch, bool even) {
+  if (batch != 1 && batch != 4) return false;
+  g_batch.store(batch);
+  g_even.store(even);
+  return true;
+}
+
+void tuning(int* batch, bool* even) {
+  *batch = g_batch.load();
+  *even = g_even.load();
 }
 
 }  // namespace torch_ce_reduce

@@ -55,4 +55,12 @@ struct Args {
 // the elements are bfloat16, else float32. Returns the launch's error.
 cudaError_t launch_reduce(const Args& args, bool bf16, cudaStream_t stream);
 
+// An A/B knob (bench/compare/reduce_kernel_probe.py measures the four): how many sources'
+// loads a thread issues before adding them (``batch``: 1 or 4, the default) and whether
+// the grid spreads a member's vectors evenly over its rounds (``even``: the default) or
+// takes the block cap. Results are the same bits either way (the same order of adds).
+// Returns false (and changes nothing) for another batch.
+bool set_tuning(int batch, bool even);
+void tuning(int* batch, bool* even);
+
 }  // namespace torch_ce_reduce

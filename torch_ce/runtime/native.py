@@ -411,6 +411,13 @@ def rs_memop_batching(mode: int = 0) -> bool:
     return bool(torch.ops.torch_ce_native.rs_memop_batching(int(mode)))
 
 
+def rs_reduce_tuning(batch: int = 0, even: bool = True) -> list:
+    """The reduction kernel's A/B knob (csrc/ce_reduce.h ``set_tuning``): ``batch`` 0 reads,
+    1 or 4 sources' loads in flight per thread, ``even`` the grid spread over its rounds.
+    Returns [batch, even] now ([] without the CUDA kernel)."""
+    return list(torch.ops.torch_ce_native.rs_reduce_tuning(int(batch), int(bool(even))))
+
+
 def has_rs_native() -> bool:
     """Whether the loaded library has the native reduce-scatter launch and completion."""
     if not _HAS_RS:
