@@ -3,8 +3,9 @@
 Times per rank-call: the whole call as bench/rs_cost.py times it (launch with the work
 registered, then each output's ``wait_tensor``), its launch and its wait separately, the
 C++ launch alone (``native.rs_launch``), the GPU's own time (the calls enqueued behind a
-spin), the C++ pieces, each with the flag operations batched and one driver call each
-(``native.rs_memop_batching``, where the library has it), the cost of a torch.ops call into the library
+spin), the C++ pieces, each with the flag operations batched, one driver call each
+(``native.rs_memop_batching``) and batched with only the publishing writes behind a memory
+barrier (``native.rs_memop_barriers``), where the library has them, the cost of a torch.ops call into the library
 with and without a custom-class argument, and a cProfile of 300 calls (top 30 by own
 time). A probe for perf-notes, not a benchmark.
     python3 bench/compare/rs_host_breakdown.py [--mib 1] [--dtype float32] [--world 2]
@@ -70,7 +71,7 @@ def main() -> None:
 
     def gpu_busy_us() -> float:
         """The GPU's own time per rank-call: the calls enqueued behind a ~50 ms spin, timed
-        from its end (the host ahead of the GPU)."""
+        from its end (the host ahead of the GPU; 50 calls take a few ms of host time)."""
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(100_000_000)
@@ -86,12 +87,20 @@ def main() -> None:
              "complete: pushed wait", "complete: data waits+resets", "complete: reduction launch",
              "complete: free writes", "complete: done event+wait")
     per = lambda s: s / a.iters / w * 1e6  # noqa: E731  per rank-call, us
-    # The flag operations batched (the default) and one driver call each (the A/B knob).
-    modes = [1, 2] if hasattr(torch.ops.torch_ce_native, "rs_memop_batching") else [None]
+    # The flag operations batched (the default), one driver call each (the A/B knob), and
+    # batched with only the publishing writes behind a memory barrier (a measurement knob).
+    ops = torch.ops.torch_ce_native
+    modes = [(None, None)]
+    if hasattr(ops, "rs_memop_batching"):
+        modes = [(1, 1), (2, 1)] + ([(1, 2)] if hasattr(ops, "rs_memop_barriers") else [])
+    labels = {(1, 1): "cuStreamBatchMemOp batches", (2, 1): "one driver call each",
+              (1, 2): "batches, barriers on the publishing writes only"}
     for mode in modes:
-        if mode is not None:
-            native.rs_memop_batching(mode)
-            print(f"== flag operations: {'cuStreamBatchMemOp batches' if mode == 1 else 'one driver call each'}")
+        if mode[0] is not None:
+            native.rs_memop_batching(mode[0])
+            if hasattr(ops, "rs_memop_barriers"):
+                native.rs_memop_barriers(mode[1])
+            print(f"== flag operations: {labels[mode]}")
         for _ in range(30):
             call()
         torch.cuda.synchronize()
@@ -102,9 +111,17 @@ def main() -> None:
             call()
         total = time.perf_counter() - t
         torch.cuda.synchronize()
+        outs = call()  # exact in this mode too: rank r's chunk summed in group index order
+        torch.cuda.synchronize()
+        exact = True
+        for r in range(w):
+            want = xs[0][0].chunk(w)[r].float().clone()
+            for j in range(1, w):
+                want.add_(xs[j][0].chunk(w)[r].float())
+            exact = exact and torch.equal(outs[r][0], want.to(dtype))
         print(f"per rank-call us: total {per(total):.1f}  launch {per(acc['launch']):.1f} "
               f"(C++ rs_launch {per(acc['cxx']):.1f})  wait_tensor {per(acc['wait']):.1f}  "
-              f"GPU's own {gpu_busy_us():.1f}")
+              f"GPU's own {gpu_busy_us():.1f}  exact {exact}")
         # the C++ pieces (csrc/ce_ops.cu rs_timing), a second timed loop with the probe on
         native.rs_timing(1)
         t = time.perf_counter()
@@ -117,8 +134,10 @@ def main() -> None:
         for nm, v in zip(names, pieces):
             print(f"  {nm:30s} {per(v):7.2f}")
         print(f"  {'C++ total':30s} {per(sum(pieces)):7.2f}")
-    if modes[0] is not None:
+    if modes[0][0] is not None:
         native.rs_memop_batching(1)
+        if hasattr(ops, "rs_memop_barriers"):
+            native.rs_memop_barriers(1)
     # torch.ops dispatch into the library
     ops = torch.ops.torch_ce_native
     handle = RS.launch(wss[0], xs[0], "sum", "q").native
