@@ -26,21 +26,36 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 TUNINGS = ((1, False), (1, True), (4, False), (4, True))  # (loads in flight, even grid)
 
 
-def _kernel_us(wss, xs, calls: int) -> tuple[float, list]:
-    """Median device us of one rank's reduction kernel over ``calls`` profiled calls, and
-    the last call's outputs."""
+def _kernel_us(wss, xs, calls: int, native) -> tuple[list, list]:
+    """Per tuning (``TUNINGS`` order): the median device us of one rank's reduction kernel
+    over ``calls`` calls, and its last call's outputs; one profiler session for all four
+    (a kernel's tuning is told by the order of the kernels: each tuning's calls run after
+    the previous one's, on one reduce stream)."""
     from cuda_helpers import loopback_reduce_scatter
     from torch.profiler import ProfilerActivity, profile
 
-    loopback_reduce_scatter(wss, xs)
+    w = len(wss)
+    outs_by = []
+    for batch, even in TUNINGS:  # warm each: the kernel's module loaded, the tuning's first launch
+        native.rs_reduce_tuning(batch, even)
+        loopback_reduce_scatter(wss, xs)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            outs = loopback_reduce_scatter(wss, xs)
-        torch.cuda.synchronize()
-    us = [e.time_range.elapsed_us() for e in prof.events()
-          if e.device_type == torch.autograd.DeviceType.CUDA and "reduce_kernel" in e.name]
-    return (statistics.median(us) if us else float("nan")), outs
+        for batch, even in TUNINGS:
+            native.rs_reduce_tuning(batch, even)
+            for _ in range(calls):
+                outs = loopback_reduce_scatter(wss, xs)
+            torch.cuda.synchronize()
+            outs_by.append(outs)
+    evs = sorted((e for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and "reduce_kernel" in e.name),
+                 key=lambda e: e.time_range.start)
+    per = calls * w
+    if len(evs) != per * len(TUNINGS):
+        raise RuntimeError(f"{len(evs)} reduction kernels profiled, expected {per * len(TUNINGS)}")
+    us = [statistics.median(e.time_range.elapsed_us() for e in evs[k * per:(k + 1) * per])
+          for k in range(len(TUNINGS))]
+    return us, outs_by
 
 
 def main(argv=None) -> dict:
@@ -74,12 +89,9 @@ def main(argv=None) -> dict:
                               for _ in range(w)]
                         wss = loopback_workspaces(w, numel // w, dtype)
                         slice_bytes = numel // w * dtype.itemsize
-                        first = None
-                        for batch, even in TUNINGS:
-                            native.rs_reduce_tuning(batch, even)
-                            us, outs = _kernel_us(wss, xs, a.calls)
-                            if first is None:
-                                first = [[o.clone() for o in r] for r in outs]
+                        us_by, outs_by = _kernel_us(wss, xs, a.calls, native)
+                        first = outs_by[0]
+                        for (batch, even), us, outs in zip(TUNINGS, us_by, outs_by, strict=True):
                             same = all(torch.equal(o, f) for r, fr in zip(outs, first, strict=True)
                                        for o, f in zip(r, fr, strict=True))
                             gbps = (w + 1) * slice_bytes / (us * 1e-6) / 1e9
