@@ -320,7 +320,8 @@ def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):
     C++ stage says its completion began (when the Python path would start watching it):
     a call launched long before its wait is not released for the time before; one whose
     completion then stalls past ``rs_timeout_s`` is (``_release``), and a done one leaves
-    the watch."""
+    the watch. A tick reads every native call's stage in one ``rs_stages`` query, a
+    Python-path call watched among them keeping its own (its event)."""
     import types
 
     import torch_ce
@@ -328,8 +329,13 @@ def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):
     from torch_ce.runtime import reduce_scatter as RS
 
     stage = {"a": 0, "b": 0}
-    released = []
-    monkeypatch.setattr(native, "rs_stages", lambda hs: [stage[h] for h in hs])
+    released, queries = [], []
+
+    def stages(hs):  # one query per tick, of the native calls only, in watch order
+        queries.append(list(hs))
+        return [stage[h] for h in hs]
+
+    monkeypatch.setattr(native, "rs_stages", stages)
     monkeypatch.setattr(RS, "_release", lambda call, why: released.append((call.native, why, time.monotonic())))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     ws = types.SimpleNamespace(failed="", key=((0, 1),), gen=1)
@@ -337,9 +343,14 @@ def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):
     for h in ("a", "b"):
         calls[h] = RS.Call(ws, 0, [], [], [], [], "sum", h, 0, recorded=True, native=h)
         calls[h].done = RS._NativeDone(h)
+    # A Python-path call watched between them, done: it leaves the watch, and the native
+    # calls' stages stay theirs.
+    py = RS.Call(ws, 0, [], [], [], [], "sum", "py", 0, recorded=True)
+    py.done = types.SimpleNamespace(query=lambda: True)
     with torch_ce.config.patch(rs_timeout_s=0.3):
-        for c in calls.values():
-            RS._watch(c, started=False)
+        RS._watch(calls["a"], started=False)
+        RS._watch(py)
+        RS._watch(calls["b"], started=False)
         time.sleep(0.6)  # longer than the timeout, completions not begun: nothing released
         assert released == []
         stage["a"], stage["b"] = 1, 3  # a: completion begun; b: done
@@ -350,5 +361,6 @@ def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):
     assert [r[0] for r in released] == ["a"] and released[0][1] == "timeout", released
     assert released[0][2] - t0 >= 0.25, released[0][2] - t0  # from its start, not its launch
     with RS._watch_lock:
-        assert not any(item[1] is calls["b"] for item in RS._watched)
+        assert not any(item[1] is calls["b"] or item[1] is py for item in RS._watched)
+    assert queries and all(q in (["a", "b"], ["a"]) for q in queries), queries
     RS.release()
