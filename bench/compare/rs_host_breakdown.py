@@ -23,6 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "test"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def main() -> None:
@@ -34,6 +35,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch.distributed as dist
     from cuda_helpers import loopback_workspaces
+    from rs_cost import _gpu_busy_us
 
     import torch_ce
     from torch_ce.runtime import native
@@ -68,19 +70,6 @@ def main() -> None:
         acc["launch"] += t1 - t0
         acc["wait"] += time.perf_counter() - t1
         return outs
-
-    def gpu_busy_us() -> float:
-        """The GPU's own time per rank-call: the calls enqueued behind a ~50 ms spin, timed
-        from its end (the host ahead of the GPU; 50 calls take a few ms of host time)."""
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(100_000_000)
-        start.record()
-        for _ in range(50):
-            call()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / 50 / w
 
     names = ("launch: setup+outputs", "launch: ready event", "launch: free wait+reset", "launch: memcpys",
              "launch: header+tag writes", "launch: pushed event", "launch: work registration",
@@ -121,7 +110,7 @@ def main() -> None:
             exact = exact and torch.equal(outs[r][0], want.to(dtype))
         print(f"per rank-call us: total {per(total):.1f}  launch {per(acc['launch']):.1f} "
               f"(C++ rs_launch {per(acc['cxx']):.1f})  wait_tensor {per(acc['wait']):.1f}  "
-              f"GPU's own {gpu_busy_us():.1f}  exact {exact}")
+              f"GPU's own {_gpu_busy_us(call, 50, w)[0]:.1f}  exact {exact}")
         # the C++ pieces (csrc/ce_ops.cu rs_timing), a second timed loop with the probe on
         native.rs_timing(1)
         t = time.perf_counter()
