@@ -14,9 +14,8 @@
 #   5b. bench/compare/reduce_kernel_probe.py: the reduction kernel's four tunings
 #   6. the same for buckets of 8 tensors (--members 8: the pushes' batched memcpys)
 #   7. bench/compare/rs_host_breakdown.py, worlds 2 and 3: where a native call's host time
-#      goes, and the GPU's own time per rank-call, with the flag operations batched, one
-#      driver call each (native.rs_memop_batching), and batched with barriers on the
-#      publishing writes only (native.rs_memop_barriers, a measurement knob); each exact
+#      goes, and the GPU's own time per rank-call, with the flag operations batched and one
+#      driver call each (native.rs_memop_batching); each exact
 # Logs, JSON and PNG under $OUT; a short table last.
 #   run: bash bench/gpu_h200_session.sh
 set -u

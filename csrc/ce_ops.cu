@@ -1053,23 +1053,6 @@ using StreamBatchMemOpFn = int (*)(cudaStream_t, unsigned int, MemOp*, unsigned 
 // MemOps enqueues each operation with its single call, as before the batches.
 std::atomic<bool> g_rs_memop_batch{true};
 
-// A measurement knob, off by default (rs_memop_barriers; rs_host_breakdown.py measures the
-// GPU's own time both ways): on, only the writes that publish carry the memory barrier
-// (the tag after a peer's slice and header, and a completion's first free write, after its
-// data resets), and the writes that the next barrier in the same stream orders anyway (the
-// resets, seq and numel, later free writes) go with CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER.
-// Not the protocol's default: its ordering argument wants two GPUs' stress tests first.
-std::atomic<bool> g_rs_lean_barriers{false};
-constexpr unsigned int kWriteNoBarrier = 0x1;  // CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER
-
-// mode 0: read; 1: every write with its barrier (the default); 2: the publishing writes only.
-// Returns whether the lean mode is on.
-bool rs_memop_barriers(int64_t mode) {
-  TORCH_CHECK(mode >= 0 && mode <= 2, "torch_ce: rs_memop_barriers: mode ", mode, " is not 0, 1 or 2");
-  if (mode != 0) g_rs_lean_barriers.store(mode == 2);
-  return g_rs_lean_barriers.load();
-}
-
 // mode 0: read; 1: batches; 2: one call per operation. Returns whether batches are on.
 bool rs_memop_batching(int64_t mode) {
   TORCH_CHECK(mode >= 0 && mode <= 2, "torch_ce: rs_memop_batching: mode ", mode, " is not 0, 1 or 2");
@@ -1080,14 +1063,11 @@ bool rs_memop_batching(int64_t mode) {
 class MemOps {
  public:
   MemOps(cudaStream_t stream, int device)
-      : stream_(stream), wait_flags_(wait_flags(device)), lean_(g_rs_lean_barriers.load(std::memory_order_relaxed)) {}
+      : stream_(stream), wait_flags_(wait_flags(device)) {}
   void wait(uint64_t addr, uint32_t value) { add(1u, addr, value, wait_flags_); }
   // A write with the default memory barrier before it (the stream's earlier writes visible
   // first).
   void write(uint64_t addr, uint32_t value) { add(2u, addr, value, 0u); }
-  // A write that a later barrier of the same stream orders: without its own barrier only in
-  // the lean measurement mode (rs_memop_barriers).
-  void write_ordered_later(uint64_t addr, uint32_t value) { add(2u, addr, value, lean_ ? kWriteNoBarrier : 0u); }
   // Everything added so far, in order, into the stream.
   void enqueue() {
     if (n_ == 0) return;
@@ -1118,7 +1098,6 @@ class MemOps {
   }
   cudaStream_t stream_;
   unsigned int wait_flags_;
-  bool lean_;
   unsigned int n_ = 0;
   MemOp ops_[kMax];
 };
@@ -1290,7 +1269,7 @@ std::tuple<c10::intrusive_ptr<RsCall>, std::vector<at::Tensor>> rs_launch(
     const int64_t j = (i + k) % w;
     const uint64_t free_flag = ws->at(kOwnFree, half, j);
     ops.wait(free_flag, 1u);
-    ops.write_ordered_later(free_flag, 0u);  // the tag's barrier below orders it
+    ops.write(free_flag, 0u);
     ops.enqueue();
     rs_mark(2, t0);
     char* dst = reinterpret_cast<char*>(ws->at(kPeerRecv, half, j));
@@ -1321,8 +1300,8 @@ std::tuple<c10::intrusive_ptr<RsCall>, std::vector<at::Tensor>> rs_launch(
       }
     }
     rs_mark(3, t0);
-    ops.write_ordered_later(ws->at(kPeerSeq, half, j), static_cast<uint32_t>(seq));
-    ops.write_ordered_later(ws->at(kPeerNumel, half, j), static_cast<uint32_t>(numel));
+    ops.write(ws->at(kPeerSeq, half, j), static_cast<uint32_t>(seq));
+    ops.write(ws->at(kPeerNumel, half, j), static_cast<uint32_t>(numel));
     ops.write(ws->at(kPeerData, half, j), static_cast<uint32_t>(tag));  // publishes the slice
     ops.enqueue();
     rs_mark(4, t0);
@@ -1427,18 +1406,13 @@ void rs_complete(const c10::intrusive_ptr<RsCall>& call, bool wait_current) {
     for (int64_t k = 1; k < w; ++k) {  // every sender checked before anything is reduced
       const uint64_t flag = ws.at(kOwnData, h, (i + k) % w);
       ops.wait(flag, static_cast<uint32_t>(call->tag));
-      ops.write_ordered_later(flag, 0u);  // the first free write's barrier orders it
+      ops.write(flag, 0u);
     }
     ops.enqueue();
     rs_mark(8, t0);
     rs_reduce(*call);
     rs_mark(9, t0);
-    for (int64_t k = 1; k < w; ++k) {  // the first publishes: the resets before it
-      if (k == 1)
-        ops.write(ws.at(kPeerFree, h, (i + k) % w), 1u);
-      else
-        ops.write_ordered_later(ws.at(kPeerFree, h, (i + k) % w), 1u);
-    }
+    for (int64_t k = 1; k < w; ++k) ops.write(ws.at(kPeerFree, h, (i + k) % w), 1u);
     ops.enqueue();
     rs_mark(10, t0);
     call->done = take_event(device);
@@ -1602,13 +1576,13 @@ bool rs_has_kernel() {
 #endif
 }
 
-// The reduction kernel's A/B knob (ce_reduce.h set_tuning): ``batch`` 0 reads, 1 or 4 sets
-// it with ``even``. Returns [batch, even] now; [] without the kernel.
+// The reduction kernel's A/B knob (ce_reduce.h set_tuning): ``batch`` 0 reads, 1 or 4 (or
+// -1: by dtype) sets it with ``even``. Returns [batch, even] now; [] without the kernel.
 std::vector<int64_t> rs_reduce_tuning(int64_t batch, int64_t even) {
 #ifdef TORCH_CE_REDUCE_KERNEL
   if (batch != 0)
     TORCH_CHECK(torch_ce_reduce::set_tuning(static_cast<int>(batch), even != 0),
-                "torch_ce: rs_reduce_tuning: batch ", batch, " is not 1 or 4");
+                "torch_ce: rs_reduce_tuning: batch ", batch, " is not 1, 4 or -1");
   int b = 0;
   bool e = false;
   torch_ce_reduce::tuning(&b, &e);
@@ -1662,7 +1636,6 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("rs_query(int call) -> int", &rs_query_h);
   m.def("rs_stages(int[] calls) -> int[]", &rs_stages);
   m.def("rs_memop_batching(int mode) -> bool", &rs_memop_batching);
-  m.def("rs_memop_barriers(int mode) -> bool", &rs_memop_barriers);
   m.def("rs_reduce_tuning(int batch, int even) -> int[]", &rs_reduce_tuning);
   m.def("rs_forget(int handle) -> ()", &rs_forget);
   m.def("rs_handle_count() -> int", &rs_handle_count);

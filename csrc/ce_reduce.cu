@@ -12,9 +12,9 @@
 // ``blockIdx.y`` is a member, its blocks grid-stride over the member's elements in
 // 16-byte vectors (4 fp32 or 8 bf16; where the member's own chunk, output and
 // offset in the slices are 16-byte aligned, else element by element), each thread
-// loading the W sources of its vector (up to kBatch at once, so their loads overlap)
-// and accumulating them in group index order in fp32. The grid spreads a member's
-// vectors evenly over the grid-stride rounds that the block cap needs.
+// loading the W sources of its vector (fp32: four at once, so their loads overlap;
+// bf16: one at a time, which measured faster) and accumulating them in group index
+// order in fp32.
 //
 // Numerics: those of reduce_scatter._reduce on CUDA (the reference and the host
 // transport's twin), bit for bit: the sum is left to right in group index order,
@@ -37,8 +37,12 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocksX = 1024;
-std::atomic<int> g_batch{4};  // sources whose loads a thread issues before adding them (1 or 4)
-std::atomic<bool> g_even{true};  // the grid spread evenly over the rounds (else the block cap)
+// Sources whose loads a thread issues before adding them: 1 or 4, or -1 (the default) by
+// dtype, 4 for fp32 and 1 for bf16 (bench/results/run67_reduce_kernel_probe_h100.json: four
+// in flight took world 3 fp32 at 16 MiB from 0.75 to 0.88 of the copy's bandwidth and bf16
+// from 0.74 down to 0.56-0.65).
+std::atomic<int> g_batch{-1};
+std::atomic<bool> g_even{false};  // the grid spread evenly over the rounds, else (the default) the block cap
 
 template <typename T>
 struct Elem;
@@ -194,10 +198,10 @@ cudaError_t launch_reduce(const Args& args, bool bf16, cudaStream_t stream) {
     const int64_t units = vec ? g.n / vlen + g.n % vlen : g.n;
     if (units > most) most = units;
   }
-  // As many grid-stride rounds as the block cap needs, and the blocks that spread the
-  // member's units evenly over them: with the cap alone a member of 1.33 rounds has a
-  // third of its threads run a second round (16 MiB at world 3: 0.61-0.66 of the copy's
-  // bandwidth in run 66, perf-notes section 23).
+  // The block cap (the default), or (``even``) as many grid-stride rounds as the cap
+  // needs with the blocks that spread the member's units evenly over them: a guess for
+  // world 3's 16 MiB (perf-notes section 23) that run 67 did not bear out (the loads in
+  // flight were the cause).
   const int64_t per_round = kThreads * kMaxBlocksX;
   const int64_t rounds = (most + per_round - 1) / per_round;
   int64_t bx = (most + kThreads * rounds - 1) / (kThreads * rounds);
@@ -206,7 +210,8 @@ cudaError_t launch_reduce(const Args& args, bool bf16, cudaStream_t stream) {
     if (bx > kMaxBlocksX) bx = kMaxBlocksX;
   }
   const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(args.nseg));
-  const bool batch4 = g_batch.load(std::memory_order_relaxed) == 4;
+  const int batch = g_batch.load(std::memory_order_relaxed);
+  const bool batch4 = batch == 4 || (batch == -1 && !bf16);
   if (bf16 && batch4)
     reduce_kernel<__nv_bfloat16, 4><<<grid, kThreads, 0, stream>>>(args, lo, hi);
   else if (bf16)
@@ -219,7 +224,7 @@ cudaError_t launch_reduce(const Args& args, bool bf16, cudaStream_t stream) {
 }
 
 bool set_tuning(int batch, bool even) {
-  if (batch != 1 && batch != 4) return false;
+  if (batch != 1 && batch != 4 && batch != -1) return false;
   g_batch.store(batch);
   g_even.store(even);
   return true;

@@ -56,10 +56,10 @@ struct Args {
 cudaError_t launch_reduce(const Args& args, bool bf16, cudaStream_t stream);
 
 // An A/B knob (bench/compare/reduce_kernel_probe.py measures the four): how many sources'
-// loads a thread issues before adding them (``batch``: 1 or 4, the default) and whether
-// the grid spreads a member's vectors evenly over its rounds (``even``: the default) or
-// takes the block cap. Results are the same bits either way (the same order of adds).
-// Returns false (and changes nothing) for another batch.
+// loads a thread issues before adding them (``batch``: 1 or 4, or -1, the default: 4 for
+// fp32, 1 for bf16) and whether the grid spreads a member's vectors evenly over its rounds
+// (``even``) or takes the block cap (the default). Results are the same bits either way
+// (the same order of adds). Returns false (and changes nothing) for another batch.
 bool set_tuning(int batch, bool even);
 void tuning(int* batch, bool* even);
 

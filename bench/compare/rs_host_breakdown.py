@@ -3,11 +3,10 @@
 Times per rank-call: the whole call as bench/rs_cost.py times it (launch with the work
 registered, then each output's ``wait_tensor``), its launch and its wait separately, the
 C++ launch alone (``native.rs_launch``), the GPU's own time (the calls enqueued behind a
-spin), the C++ pieces, each with the flag operations batched, one driver call each
-(``native.rs_memop_batching``) and batched with only the publishing writes behind a memory
-barrier (``native.rs_memop_barriers``), where the library has them, the cost of a torch.ops call into the library
-with and without a custom-class argument, and a cProfile of 300 calls (top 30 by own
-time). A probe for perf-notes, not a benchmark.
+spin), the C++ pieces, each with the flag operations batched and one driver call each
+(``native.rs_memop_batching``, where the library has it), the cost of a torch.ops call
+into the library with and without a custom-class argument, and a cProfile of 300 calls
+(top 30 by own time). A probe for perf-notes, not a benchmark.
     python3 bench/compare/rs_host_breakdown.py [--mib 1] [--dtype float32] [--world 2]
 """
 from __future__ import annotations
@@ -76,19 +75,12 @@ def main() -> None:
              "complete: pushed wait", "complete: data waits+resets", "complete: reduction launch",
              "complete: free writes", "complete: done event+wait")
     per = lambda s: s / a.iters / w * 1e6  # noqa: E731  per rank-call, us
-    # The flag operations batched (the default), one driver call each (the A/B knob), and
-    # batched with only the publishing writes behind a memory barrier (a measurement knob).
-    ops = torch.ops.torch_ce_native
-    modes = [(None, None)]
-    if hasattr(ops, "rs_memop_batching"):
-        modes = [(1, 1), (2, 1)] + ([(1, 2)] if hasattr(ops, "rs_memop_barriers") else [])
-    labels = {(1, 1): "cuStreamBatchMemOp batches", (2, 1): "one driver call each",
-              (1, 2): "batches, barriers on the publishing writes only"}
+    # The flag operations batched (the default) and one driver call each (the A/B knob).
+    modes = [1, 2] if hasattr(torch.ops.torch_ce_native, "rs_memop_batching") else [None]
+    labels = {1: "cuStreamBatchMemOp batches", 2: "one driver call each"}
     for mode in modes:
-        if mode[0] is not None:
-            native.rs_memop_batching(mode[0])
-            if hasattr(ops, "rs_memop_barriers"):
-                native.rs_memop_barriers(mode[1])
+        if mode is not None:
+            native.rs_memop_batching(mode)
             print(f"== flag operations: {labels[mode]}")
         for _ in range(30):
             call()
@@ -123,10 +115,8 @@ def main() -> None:
         for nm, v in zip(names, pieces):
             print(f"  {nm:30s} {per(v):7.2f}")
         print(f"  {'C++ total':30s} {per(sum(pieces)):7.2f}")
-    if modes[0][0] is not None:
+    if modes[0] is not None:
         native.rs_memop_batching(1)
-        if hasattr(ops, "rs_memop_barriers"):
-            native.rs_memop_barriers(1)
     # torch.ops dispatch into the library
     ops = torch.ops.torch_ce_native
     handle = RS.launch(wss[0], xs[0], "sum", "q").native

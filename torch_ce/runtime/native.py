@@ -411,17 +411,11 @@ def rs_memop_batching(mode: int = 0) -> bool:
     return bool(torch.ops.torch_ce_native.rs_memop_batching(int(mode)))
 
 
-def rs_memop_barriers(mode: int = 0) -> bool:
-    """A measurement knob (csrc/ce_ops.cu ``g_rs_lean_barriers``): 1 every flag write with
-    its memory barrier (the default), 2 only the publishing writes (the tag, a completion's
-    first free write); 0 reads. Returns whether the lean mode is on."""
-    return bool(torch.ops.torch_ce_native.rs_memop_barriers(int(mode)))
-
-
-def rs_reduce_tuning(batch: int = 0, even: bool = True) -> list:
+def rs_reduce_tuning(batch: int = 0, even: bool = False) -> list:
     """The reduction kernel's A/B knob (csrc/ce_reduce.h ``set_tuning``): ``batch`` 0 reads,
-    1 or 4 sources' loads in flight per thread, ``even`` the grid spread over its rounds.
-    Returns [batch, even] now ([] without the CUDA kernel)."""
+    1 or 4 sources' loads in flight per thread (-1, the default: 4 for fp32, 1 for bf16),
+    ``even`` the grid spread over its rounds (the default: the block cap). Returns [batch,
+    even] now ([] without the CUDA kernel)."""
     return list(torch.ops.torch_ce_native.rs_reduce_tuning(int(batch), int(bool(even))))
 
 
