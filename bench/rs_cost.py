@@ -31,12 +31,14 @@ host microseconds per replay. JSON and a PNG (matplotlib, where installed) under
 
     python3 bench/rs_cost.py [--mib 1,16,64] [--dtypes float32,bfloat16] [--worlds 2,3]
                              [--iters 50] [--members 1] [--out bench/results/rs_cost] [--dry-run]
+    python3 bench/rs_cost.py --replot bench/results/runN_rs_cost_h200.json
 
 ``--members K``: each bucket holds K tensors, the size split over them (the functional
 call is then ``reduce_scatter_tensor_coalesced``).
 
 ``--dry-run`` needs no GPU: it checks the arguments, writes the plan (the cases and
-columns a GPU run fills) as JSON and exits (test/test_bench_cpu.py runs it).
+columns a GPU run fills) as JSON and exits (test/test_bench_cpu.py runs it). ``--replot``
+needs none either: it prints a saved result's table and draws its PNG beside it.
 """
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ def parse(argv=None):
     ap.add_argument("--out", default="", help="directory for rs_cost.json and rs_cost.png")
     ap.add_argument("--json", default="", help="(kept for older scripts) a JSON path")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: write the plan and exit")
+    ap.add_argument("--replot", default="", metavar="JSON",
+                    help="no GPU: draw a saved result's PNG beside it and print its table")
     a = ap.parse_args(argv)
     a.mibs = [float(m) for m in a.mib.split(",") if m]
     a.dtype_list = [d for d in a.dtypes.split(",") if d]
@@ -373,6 +377,9 @@ def table(out: dict) -> str:
 
 
 def plot(out: dict, path: str) -> bool:
+    """Top: each path's host time per rank-call (unpaired medians). Bottom: the two targets'
+    figures, the paired host ratio against NCCL (<= 1.5) and the kernel's bandwidth over the
+    copy's (>= 0.70 at 16 and 64 MiB), each with its line."""
     try:
         import matplotlib
 
@@ -381,16 +388,26 @@ def plot(out: dict, path: str) -> bool:
     except Exception:  # noqa: BLE001 (no matplotlib: the JSON alone)
         return False
     rows = out["rows"]
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(max(6, len(rows) * 0.9), 7), sharex=True)
     labels = [f"W{r['world']} {r['dtype'][:4]} {r['mib']:g}M" for r in rows]
+    xs = range(len(rows))
     width = 0.27
     for k, path_name in enumerate(PATHS):
         vals = [((r.get(path_name) or {}).get("host_us_per_rank_call") or 0.0) for r in rows]
-        ax.bar([x + (k - 1) * width for x in range(len(rows))], vals, width, label=path_name)
-    ax.set_xticks(range(len(rows)), labels, rotation=45, ha="right")
+        ax.bar([x + (k - 1) * width for x in xs], vals, width, label=path_name)
     ax.set_ylabel("host us per rank-call")
     ax.set_title(f"reduce-scatter host cost, {out.get('device', '')}")
     ax.legend()
+    paired = [((r.get("native") or {}).get("paired_ratio") or 0.0) for r in rows]
+    kernel = [(r.get("kernel_over_copy") or 0.0) for r in rows]
+    bx.bar([x - width / 2 for x in xs], paired, width, label="host, native over NCCL (paired)", color="C2")
+    bx.bar([x + width / 2 for x in xs], kernel, width, label="reduction kernel GB/s over the copy's", color="C4")
+    bx.axhline(1.5, color="C2", linestyle="--", linewidth=1, label="host target <= 1.5")
+    bx.axhline(0.70, color="C4", linestyle=":", linewidth=1, label="kernel target >= 0.70 (16, 64 MiB)")
+    bx.set_ylabel("ratio")
+    bx.set_xticks(list(xs), labels, rotation=45, ha="right")
+    bx.legend(fontsize="small", ncol=2, loc="upper left")
+    bx.set_ylim(0, max([1.7] + paired + kernel) * 1.15)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
@@ -398,6 +415,12 @@ def plot(out: dict, path: str) -> bool:
 
 def main(argv=None) -> dict:
     a = parse(argv)
+    if a.replot:
+        with open(a.replot) as f:
+            out = json.load(f)
+        print(table(out))
+        plot(out, os.path.splitext(a.replot)[0] + ".png")
+        return out
     if a.dry_run:
         out = dict(dry_run=True, paths=list(PATHS), columns=list(COLUMNS), iters=a.iters, rows=plan(a))
     else:

@@ -25,6 +25,7 @@ in csrc/ce_ops.cu, NOTE [reduction kernel] in csrc/ce_reduce.cu): no GPU here.
   deadline of a native call runs from its completion's start (the C++ stage), not its
   launch; a done call leaves the watch.
 - ``test_rs_cost_dry_run``: bench/rs_cost.py's plan and table without a GPU.
+- ``test_rs_cost_replot``: its ``--replot`` prints a saved result's table (and its PNG).
 - ``test_no_kernel_in_the_host_compiled_source``: csrc/ce_ops.cu is also built by the
   host C++ compiler: no ``__global__`` there.
 """
@@ -308,6 +309,42 @@ def test_rs_cost_dry_run(tmp_path):
     assert "200.0?" in mod.table(dict(rows=[paced])).splitlines()[1]
     with pytest.raises(SystemExit):
         mod.parse(["--dtypes", "float16"])
+
+
+def test_rs_cost_replot(tmp_path, capsys):
+    """``--replot`` reads a saved result without a GPU and prints its table, each row's
+    paired ratio and kernel ratio as measured (random here), and draws the PNG beside it
+    where matplotlib is installed."""
+    import json
+    import random
+
+    mod = _rs_cost()
+    rng = random.Random()
+    rows = []
+    for w, d, m in ((2, "float32", 16.0), (3, "bfloat16", 64.0)):
+        nat = dict(host_us_per_rank_call=rng.uniform(50, 200), gpu_busy_us_per_rank_call=rng.uniform(10, 40),
+                   paired_ratio=rng.uniform(0.5, 1.4))
+        rows.append(dict(world=w, dtype=d, mib=m, functional=dict(host_us_per_rank_call=rng.uniform(40, 150),
+                                                                gpu_busy_us_per_rank_call=rng.uniform(5, 20)),
+                         python=dict(host_us_per_rank_call=rng.uniform(300, 900),
+                                     gpu_busy_us_per_rank_call=rng.uniform(20, 60)),
+                         native=nat,
+                         kernel_over_copy=rng.uniform(0.6, 0.95)))
+    for r in rows:
+        mod._ratios(r)
+    saved = tmp_path / "runX_rs_cost.json"
+    saved.write_text(json.dumps(dict(device="cpu test", rows=rows)))
+    out = mod.main(["--replot", str(saved)])
+    assert out["rows"] == rows
+    lines = capsys.readouterr().out.splitlines()
+    for r, line in zip(rows, lines[1:3]):
+        assert f"{r['native']['paired_ratio']:6.2f}" in line and f"{r['kernel_over_copy']:6.2f}" in line
+        assert line.split()[:3] == [str(r["world"]), r["dtype"], f"{r['mib']:g}"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "runX_rs_cost.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         mod.parse(["--members", "0"])
     # --members: whole rows per rank in every member, the size split over them
