@@ -16,7 +16,8 @@
 #   7. bench/compare/rs_host_breakdown.py, worlds 2 and 3: where a native call's host time
 #      goes, and the GPU's own time per rank-call, with the flag operations batched and one
 #      driver call each (native.rs_memop_batching); each exact
-# Logs, JSON and PNG under $OUT; a short table last.
+# JSON and PNG under $OUT, the logs packed into $OUT/logs.tgz (the device hands back a few
+# files a call, not fifteen); a short table last.
 #   run: bash bench/gpu_h200_session.sh
 set -u
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-570} ))
@@ -61,4 +62,5 @@ tail -n 11 "$OUT/reduce_kernel_probe.log" | cut -c1-120
 for f in rs_host_breakdown rs_host_breakdown_w3; do
   echo "-- $f"; grep -hE "^==|per rank-call us|C\+\+ total|NCCL functional" "$OUT/$f.txt" | cut -c1-160
 done
+( cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt members8 && rm -rf ./*.log ./*.txt members8 )
 echo "total $(( $(date +%s) - t0 )) s"
