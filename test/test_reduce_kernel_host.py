@@ -21,6 +21,8 @@ in csrc/ce_ops.cu, NOTE [reduction kernel] in csrc/ce_reduce.cu): no GPU here.
   flags get, in stream order, NaN into each awaited slice before its flag, then the
   RETRACTs (the library's writes recorded here).
 - ``test_on_by_default_never_on_cpu``: ``rs_native`` is on; a CPU torch never takes it.
+- ``test_watchdog_frees_its_calls_before_it_leaves``: a call's last reference dropped
+  by the watchdog is freed while the atexit join still covers the thread.
 - ``test_watchdog_starts_a_native_calls_deadline_at_its_completion``: the watchdog's
   deadline of a native call runs from its completion's start (the C++ stage), not its
   launch; a done call leaves the watch.
@@ -350,6 +352,40 @@ def test_rs_cost_replot(tmp_path, capsys):
     # --members: whole rows per rank in every member, the size split over them
     assert mod.parse(["--members", "8"]).members == 8
     assert [mod._member_rows(r, k, w) for r, k, w in ((512, 9, 3), (2, 9, 2), (1024, 1, 2))] == [54, 2, 1024]
+
+
+def test_watchdog_frees_its_calls_before_it_leaves(monkeypatch):
+    """A done native call whose last reference is the watchdog's is freed (its handle's
+    ``rs_forget``, an op that runs without the GIL) in the watchdog's thread while that
+    thread is still registered in ``_watcher``: the atexit join (``_stop_watchdog``) then
+    covers the free. Freed after the thread left ``_watcher``, it raced the interpreter's
+    finalization, which ends such a thread inside the op (run 69's probe: std::terminate
+    at exit). Three calls, each watched by a fresh watchdog."""
+    import threading
+    import types
+
+    from torch_ce.runtime import native
+    from torch_ce.runtime import reduce_scatter as RS
+
+    freed = []
+
+    class Handle:  # stands for native.Handle: its __del__ runs rs_forget
+        def __del__(self):
+            me = threading.current_thread()
+            freed.append((me.name, bool(RS._watcher) and RS._watcher[0] is me))
+
+    monkeypatch.setattr(native, "rs_stages", lambda hs: [3] * len(hs))  # every call done
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    ws = types.SimpleNamespace(failed="", key=((0, 1),), gen=1)
+    for k in range(3):
+        call = RS.Call(ws, 0, [], [], [], [], "sum", f"c{k}", 0, recorded=True, native=Handle())
+        RS._watch(call, started=False)
+        del call
+        deadline = time.monotonic() + 5.0
+        while (len(freed) <= k or RS._watcher) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(freed) == k + 1 and not RS._watcher, (freed, RS._watcher)
+    assert freed == [("torch_ce_rs_watchdog", True)] * 3, freed
 
 
 def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):

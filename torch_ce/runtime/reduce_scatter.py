@@ -652,7 +652,13 @@ def _prepare_watch(ws: RW.Workspace) -> None:
 
 def _watchdog() -> None:
     """Runs while some completion is pending; ends when none is (``_watch`` starts it
-    again) or at interpreter exit (no CUDA call may run during teardown)."""
+    again) or at interpreter exit (no CUDA call may run during teardown).
+
+    It leaves ``_watcher`` only after its last reference to a call is gone: a call's last
+    reference dropped here runs its handle's ``rs_forget``, an op that runs without the GIL
+    and takes it back to free the call's tensors; at interpreter exit the atexit join
+    (``_stop_watchdog``) must still see this thread then, or the finalizing interpreter
+    ends it inside that op (std::terminate: run 69's probe aborted so at exit)."""
     # Its event queries run while the user may capture a CUDA graph in another thread: in
     # CUDA's default (global) mode they would invalidate that capture.
     try:
@@ -661,54 +667,61 @@ def _watchdog() -> None:
         log.warning("torch_ce: the reduce-scatter watchdog keeps CUDA's global capture mode: %s", e)
     next_abort = time.monotonic() + RW._ABORT_EVERY_S
     while not _stopping.wait(0.02):
-        with _watch_lock:
-            items = list(_watched)
-        pending = []
         now = time.monotonic()
         look = now >= next_abort
         if look:
             next_abort = now + RW._ABORT_EVERY_S
-        stages = iter(_native_stages([item[1].native for item in items if item[1].native is not None]))
-        for item in items:
-            deadline, call = item
-            if call.native is not None:  # its stage (3: done), all of a tick's in one query
-                stage = next(stages)
-                if stage == 3:
-                    continue
-                if deadline is None:  # watched from its completion on
-                    if stage == 0:  # its completion not enqueued: not watched yet (a failed
-                        pending.append(item)  # pool's too: a later wait still gets released)
-                        continue
-                    item[0] = deadline = now + float(config.rs_timeout_s)
-            else:
-                try:
-                    if call.recorded and call.done.query():
-                        continue
-                except Exception:  # noqa: BLE001 (a failed context: reported as not done)
-                    pass
-            ws = call.ws
-            why = None
-            if ws.failed:
-                why = ws.failed  # another call of the pool was released: this one goes too
-            elif now > deadline:
-                why = "timeout"
-            elif look:
-                msg = RW._aborted(ws.key[0], ws.gen)
-                if msg is not None:
-                    why = f"a peer gave up: {msg}"
-            if why is not None:
-                try:
-                    _release(call, why)
-                except Exception as e:  # noqa: BLE001 (logged: the watchdog must go on)
-                    log.error("torch_ce: %s: releasing its stream failed: %s", call.what, e)
-                continue
-            pending.append(item)
+        _watch_tick(now, look)  # the tick's references to calls die with its frame
         with _watch_lock:
-            seen = {id(x) for x in items}
-            _watched[:] = [x for x in _watched if id(x) not in seen] + pending
             if not _watched:
                 _watcher.clear()
                 return
+
+
+def _watch_tick(now: float, look: bool) -> None:
+    """One pass of the watchdog over the watched calls: the done ones leave, the overdue
+    (or failed, or given up on by a peer: ``look``) are released, the rest stay."""
+    with _watch_lock:
+        items = list(_watched)
+    pending = []
+    stages = iter(_native_stages([item[1].native for item in items if item[1].native is not None]))
+    for item in items:
+        deadline, call = item
+        if call.native is not None:  # its stage (3: done), all of a tick's in one query
+            stage = next(stages)
+            if stage == 3:
+                continue
+            if deadline is None:  # watched from its completion on
+                if stage == 0:  # its completion not enqueued: not watched yet (a failed
+                    pending.append(item)  # pool's too: a later wait still gets released)
+                    continue
+                item[0] = deadline = now + float(config.rs_timeout_s)
+        else:
+            try:
+                if call.recorded and call.done.query():
+                    continue
+            except Exception:  # noqa: BLE001 (a failed context: reported as not done)
+                pass
+        ws = call.ws
+        why = None
+        if ws.failed:
+            why = ws.failed  # another call of the pool was released: this one goes too
+        elif now > deadline:
+            why = "timeout"
+        elif look:
+            msg = RW._aborted(ws.key[0], ws.gen)
+            if msg is not None:
+                why = f"a peer gave up: {msg}"
+        if why is not None:
+            try:
+                _release(call, why)
+            except Exception as e:  # noqa: BLE001 (logged: the watchdog must go on)
+                log.error("torch_ce: %s: releasing its stream failed: %s", call.what, e)
+            continue
+        pending.append(item)
+    with _watch_lock:
+        seen = {id(x) for x in items}
+        _watched[:] = [x for x in _watched if id(x) not in seen] + pending
 
 
 _SIDE: dict = {}  # device index -> the watchdog's side stream (its reads)
@@ -843,10 +856,12 @@ def _release_device_flags(ws: RW.Workspace, call: Call, stuck: list, mismatch: b
 
 
 def _stop_watchdog() -> None:
+    """At exit, before the interpreter finalizes: the watchdog ends its tick (a release
+    waits at most ~3 s: ``_read_words`` and ``_release``'s own bounds) and is joined."""
     _stopping.set()
     t = _watcher[0] if _watcher else None
     if t is not None:
-        t.join(timeout=1.0)
+        t.join(timeout=5.0)
 
 
 atexit.register(_stop_watchdog)
