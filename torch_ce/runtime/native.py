@@ -468,8 +468,8 @@ class Handle:
         self.id = id_
 
     def __del__(self):
-        if sys.is_finalizing():  # the process ends: its C++ maps with it (a daemon thread
-            return               # would be ended inside the op, which runs without the GIL)
+        if sys.is_finalizing() and threading.current_thread() is not threading.main_thread():
+            return  # a thread finalization would end inside the op (it runs without the GIL)
         try:
             _raw("rs_forget")(self.id)
         except Exception:  # noqa: BLE001 (interpreter teardown: the library may be gone)
