@@ -304,7 +304,7 @@ def launch(ws: RW.Workspace, inputs: Sequence[torch.Tensor], reduce_op: str, nam
         complete(owed)
     h = ws.calls % 2
     ws.calls += 1
-    numel, sig_text = sig or RW.signature(inputs, reduce_op, w)
+    numel, sig_text = sig or _spec(inputs, reduce_op, w, name)[2]
     if inputs[0].is_cuda and _native():
         return _launch_native(ws, inputs, reduce_op, name, numel, sig_text, outs, register, pkey, h)
     if ws.poison is not None:  # only the native completion's kernel reads the poison word

@@ -149,22 +149,12 @@ def drop(ws: Workspace) -> None:
         _retired.append(ws)
 
 
-_signatures: dict = {}
-
-
 def signature(inputs, reduce_op: str, group_size: int) -> tuple[int, str]:
     """(per-rank element count, text) of a call: what its tag and its round compare.
-    Cached by shapes (a bucket's signature is built once, not at every call)."""
-    key = (tuple(x.shape for x in inputs), inputs[0].dtype, reduce_op, group_size)
-    sig = _signatures.get(key)
-    if sig is None:
-        if len(_signatures) > 4096:
-            _signatures.clear()
-        numel = sum(x.numel() for x in inputs) // group_size
-        shapes = ",".join("x".join(map(str, x.shape)) for x in inputs)
-        text = f"{numel}|{shapes}|{str(inputs[0].dtype).removeprefix('torch.')}|{reduce_op}"
-        _signatures[key] = sig = (numel, text, zlib.crc32(text.encode()))
-    return sig[0], sig[1]
+    Built once per bucket: ``reduce_scatter._spec`` caches it with the bucket's checks."""
+    numel = sum(x.numel() for x in inputs) // group_size
+    shapes = ",".join("x".join(map(str, x.shape)) for x in inputs)
+    return numel, f"{numel}|{shapes}|{str(inputs[0].dtype).removeprefix('torch.')}|{reduce_op}"
 
 
 def call_tag(seq: int, sig: str) -> int:
