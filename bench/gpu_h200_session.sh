@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call on one H200 for issues 49 and 48 (run from the repo root, at most ~570 s):
-#   1. install (the nvcc build: csrc/ce_ops.cu + ce_rows.cu + ce_reduce.cu)
+#   1. install (the nvcc build: csrc/*.cu)
 #   2. test/test_reduce_scatter_cuda.py: each loopback case on the Python path, with
 #      rs_native (C++ launch/completion, the fused reduction kernel) and with rs_native on
 #      host-mapped flags (rs_host_flags), worlds 2 and 3, given outputs (FSDP2's hook),
 #      capture and replay, the profile, flag order, a dead peer released, and the same under
 #      CUDA_DEVICE_MAX_CONNECTIONS=1 (test_one_hardware_queue; the dead-peer cases under one
-#      queue on host-mapped flags: NOTE [poison word] in csrc/ce_ops.cu)
+#      queue on host-mapped flags: NOTE [poison word] in csrc/ce_flags.cu)
 #   3. test/test_fsdp2_cuda.py: FSDP2's all-gather hook on a loopback slot, exact, no kernel
 #   4. (last: the budget goes to issue 49 first) torch-ce bench fsdp2 --loopback: host us per call of the hook beside NCCL's
 #   5. bench/rs_cost.py: host us per rank-call (NCCL functional, Python path, native path),

@@ -221,7 +221,7 @@ def _functional(group_name: str, xs: list, iters: int) -> dict:
 
 def _ce(wss, xs, iters: int, w: int) -> tuple[dict, dict, object]:
     """One CE path (the config decides which): its summary, the kernels' device us, a call."""
-    from torch_ce.runtime import reduce_scatter as RS
+    from torch_ce.runtime.reduce_scatter import launch as RS
 
     f = torch.ops._c10d_functional
 
@@ -230,7 +230,7 @@ def _ce(wss, xs, iters: int, w: int) -> tuple[dict, dict, object]:
         for ws, x in zip(wss, xs, strict=True):
             c = RS.launch(ws, x, "sum", "bench", register=True)
             if c.native is None:
-                RS._register(c)
+                RS.register(c)
             calls.append(c)
         return [[f.wait_tensor(o) for o in c.outs] for c in calls]
 

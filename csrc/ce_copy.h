@@ -1,9 +1,9 @@
 // torch_ce: the order of one bucket's reads, and the two ways its copies reach
 // the copy engines.
 //
-// Used by the torch kernels (ce_ops.cu); header-only and free of torch
-// headers, so the copy calls read on their own (and read_plan compiles and
-// runs on a machine without a GPU: test/test_build.py).
+// Used by the torch kernels (ce_gather.cu; ce_reduce_scatter.cu's pushes);
+// header-only and free of torch headers, so the copy calls read on their own
+// (and read_plan compiles and runs on a machine without a GPU: test/test_build.py).
 #pragma once
 
 #include <cuda_runtime_api.h>

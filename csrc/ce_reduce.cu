@@ -1,5 +1,5 @@
 // torch_ce: the copy-engine reduce-scatter's reduction kernel (declared in
-// ce_reduce.h; called from ce_ops.cu's native completion, NOTE [native
+// ce_reduce.h; called from ce_reduce_scatter.cu's native completion, NOTE [native
 // reduce-scatter path]).
 //
 // # NOTE [reduction kernel]
@@ -16,7 +16,7 @@
 // bf16: one at a time, which measured faster) and accumulating them in group index
 // order in fp32.
 //
-// Numerics: those of reduce_scatter._reduce on CUDA (the reference and the host
+// Numerics: those of reduce_scatter.reference._reduce on CUDA (the reference and the host
 // transport's twin), bit for bit: the sum is left to right in group index order,
 // each step one fp32 rounding (__fadd_rn: no contraction into a fused
 // multiply-add); ``avg`` multiplies the sum by fp32(1 / W), which is what torch's
@@ -38,9 +38,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocksX = 1024;
 // Sources whose loads a thread issues before adding them: 1 or 4, or -1 (the default) by
-// dtype, 4 for fp32 and 1 for bf16 (bench/results/run67_reduce_kernel_probe_h100.json: four
+// dtype, 4 for fp32 and 1 for bf16 (bench/compare/reduce_kernel_probe.py on an H100: four
 // in flight took world 3 fp32 at 16 MiB from 0.75 to 0.88 of the copy's bandwidth and bf16
-// from 0.74 down to 0.56-0.65).
+// from 0.74 down to 0.56-0.65; docs/perf-notes.md section 23).
 std::atomic<int> g_batch{-1};
 std::atomic<bool> g_even{false};  // the grid spread evenly over the rounds, else (the default) the block cap
 
@@ -200,8 +200,8 @@ cudaError_t launch_reduce(const Args& args, bool bf16, cudaStream_t stream) {
   }
   // The block cap (the default), or (``even``) as many grid-stride rounds as the cap
   // needs with the blocks that spread the member's units evenly over them: a guess for
-  // world 3's 16 MiB (perf-notes section 23) that run 67 did not bear out (the loads in
-  // flight were the cause).
+  // world 3's 16 MiB (perf-notes section 23) that the measurements did not bear out (the
+  // loads in flight were the cause).
   const int64_t per_round = kThreads * kMaxBlocksX;
   const int64_t rounds = (most + per_round - 1) / per_round;
   int64_t bx = (most + kThreads * rounds - 1) / (kThreads * rounds);

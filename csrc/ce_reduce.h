@@ -1,10 +1,10 @@
 // torch_ce: the copy-engine reduce-scatter's one reduction kernel (NOTE [reduction
 // kernel] in ce_reduce.cu).
 //
-// Free of torch headers: ce_ops.cu (host C++) calls the launcher, ce_reduce.cu
+// Free of torch headers: ce_reduce_scatter.cu (host C++) calls the launcher, ce_reduce.cu
 // (compiled by nvcc as CUDA) defines it. Built only with nvcc
 // (TORCH_CE_REDUCE_KERNEL); without it the Triton kernel of
-// torch_ce/runtime/reduce_triton.py serves.
+// torch_ce/runtime/reduce_scatter/reduce_triton.py serves.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -39,7 +39,7 @@ struct Args {
   float scale;  // kAvg: 1 / W in fp32 (what torch's CUDA div_ by a scalar multiplies by);
                 // kPremulSum: the factor rounded to fp32
   int nseg;
-  // NOTE [poison word] in ce_ops.cu: where the reduce-scatter's flags are host-mapped,
+  // NOTE [poison word] in ce_flags.cu: where the reduce-scatter's flags are host-mapped,
   // the host word the watchdog sets to ``tag`` when it released this call's waits; the
   // kernel then writes NaN, never the sum of what was not pushed. Null: not read.
   const int* poison;
@@ -50,7 +50,7 @@ struct Args {
 // out = the sum of the W sources in group index order, in fp32 (bf16: each source
 // widened exactly, one rounding at the end); kAvg: times ``scale`` after the sum;
 // kPremulSum: each source times ``scale`` (rounded) before it is added. No fused
-// multiply-add anywhere: bit-identical to reduce_scatter._reduce on CUDA. Every output
+// multiply-add anywhere: bit-identical to reduce_scatter.reference._reduce on CUDA. Every output
 // NaN where ``poison`` holds ``tag`` when the block starts. ``bf16``:
 // the elements are bfloat16, else float32. Returns the launch's error.
 cudaError_t launch_reduce(const Args& args, bool bf16, cudaStream_t stream);

@@ -1,5 +1,5 @@
 // torch_ce: the CUDA kernel of magi::ce_gather_rows (declared in ce_rows.h;
-// called from ce_ops.cu's torch_ce_native::gather_rows).
+// called from ce_gather.cu's torch_ce_native::gather_rows).
 //
 // # NOTE [row kernel]
 // An embedding lookup of a sharded table needs only the rows its ids name

@@ -1,6 +1,6 @@
 // torch_ce: the row gather of embedding lookups (NOTE [row kernel] in ce_rows.cu).
 //
-// Free of torch headers: ce_ops.cu (host C++) calls the launcher, ce_rows.cu
+// Free of torch headers: ce_gather.cu (host C++) calls the launcher, ce_rows.cu
 // (compiled by nvcc as CUDA) defines it.
 #pragma once
 

@@ -58,19 +58,19 @@ def register_loopback(mine: torch.Tensor, peer: torch.Tensor, group, rank: int =
 
 def loopback_workspaces(world: int, cap: int, dtype: torch.dtype, device="cuda", host_flags: bool | None = None) -> list:
     """``world`` reduce-scatter workspaces on one GPU, each "rank"'s peers the others
-    (NOTE [reduce-scatter workspaces] in torch_ce/runtime/rs_workspace.py): what
+    (NOTE [reduce-scatter workspaces] in torch_ce/runtime/reduce_scatter/workspace.py): what
     ``_open_cuda`` builds over symmetric memory, built from plain device tensors, so one
     process plays every rank of a call (launch each, then complete each: the order the
     protocol's waits need, NOTE [copy-engine reduce-scatter]). Each has its own pool key.
-    ``host_flags`` (default: ``rs_host_flags.wanted()``, as ``_open_cuda``): the flags,
+    ``host_flags`` (default: ``host_flags.wanted()``, as ``_open_cuda``): the flags,
     headers and poison words in /dev/shm segments registered with CUDA by the runtime's own
-    ``rs_host_flags.open_group``. Used by test/test_reduce_scatter_cuda.py and, by path,
+    ``host_flags.open_group``. Used by test/test_reduce_scatter_cuda.py and, by path,
     bench/rs_cost.py."""
     import os
     import uuid
 
-    from torch_ce.runtime import rs_host_flags as HF
-    from torch_ce.runtime import rs_workspace as RW
+    from torch_ce.runtime.reduce_scatter import flags as RF, host_flags as HF, workspace as RW
+    from torch_ce.runtime.session import Session
 
     recvs = [torch.zeros(2, world, cap, dtype=dtype, device=device) for _ in range(world)]
     host = HF.wanted() if host_flags is None else host_flags
@@ -83,11 +83,15 @@ def loopback_workspaces(world: int, cap: int, dtype: torch.dtype, device="cuda",
         flags = [torch.zeros(2, 2, world, dtype=torch.int32, device=device) for _ in range(world)]
         heads = [torch.zeros(2, world, 2, dtype=torch.int32, device=device) for _ in range(world)]
         for f in flags:
-            f[RW.FREE].fill_(1)
+            f[RF.FREE].fill_(1)
     torch.cuda.synchronize()
     key = ("loopback", id(recvs))
+    # One session for every "rank" (NOTE [sessions: one abort per group generation]): a
+    # failure one of them gives up on is seen by all, as every rank of a group sees it.
+    session = Session(tuple(range(world)), 0, torch.distributed.HashStore())
     return [RW.Workspace((tuple(range(world)), str(dtype), "cuda", key, r), r, cap, dtype, recvs[r], flags[r],
-                         recvs, flags, list(segs), "", head=heads[r], peer_head=heads, poison=poisons[r])
+                         recvs, flags, list(segs), "", head=heads[r], peer_head=heads, poison=poisons[r],
+                         session=session)
             for r in range(world)]
 
 
@@ -98,13 +102,13 @@ def loopback_reduce_scatter(wss: list, inputs: list, reduce_op: str = "sum", nam
     for every completion. Returns each rank's outputs. ``via_wait_tensor``: the outputs
     carry the op's c10d work and each is completed by its ``wait_tensor``, as in a graph.
     ``outs``: each rank's given outputs (FSDP2's hook writes into its own)."""
-    from torch_ce.runtime import reduce_scatter as RS
+    from torch_ce.runtime.reduce_scatter import launch as RS
 
     outs = outs or [None] * len(wss)
     calls = [RS.launch(ws, xs, reduce_op, name, outs=o) for ws, xs, o in zip(wss, inputs, outs, strict=True)]
     if via_wait_tensor:
         for c in calls:
-            RS._register(c)
+            RS.register(c)
         return [[torch.ops._c10d_functional.wait_tensor(o) for o in c.outs] for c in calls]
     for c in calls:
         RS.complete(c)

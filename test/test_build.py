@@ -1,7 +1,7 @@
-"""The one compiled piece, csrc/ce_ops.cu: built and loaded against a CUDA torch (by
-nvcc, or by the host compiler against CUDA headers of torch's runtime version: NOTE
-[building without nvcc] in torch_ce/runtime/toolchain.py), compile-checked (not installed)
-against a CPU torch.
+"""The one compiled piece, the library built from csrc/ (setup.py's SOURCES; csrc/ce_ops.cu
+registers its ops): built and loaded against a CUDA torch (by nvcc, or by the host compiler
+against CUDA headers of torch's runtime version: NOTE [building without nvcc] in
+torch_ce/runtime/toolchain.py), compile-checked (not installed) against a CPU torch.
 
 The install itself runs the compile check on CPU machines with nvcc (dev, CI), so a broken
 source fails there; these tests check that the check can fail, what is loaded, and, with a
@@ -49,7 +49,7 @@ def _check(tmp_path, text: str) -> None:
 @requires_nvcc
 def test_compile_check_accepts_the_copy_header_with_torch_cuda_headers(tmp_path):
     """ce_copy.h and torch's c10/cuda headers (with the shim a CPU wheel needs) compile
-    through nvcc: what the install's check of ce_ops.cu stands on."""
+    through nvcc: what the install's check of csrc/ stands on."""
     _check(tmp_path, '#include <c10/cuda/CUDAStream.h>\n#include "ce_copy.h"\n'
                      "bool f() { return torch_ce_copy::batch_supported(); }\n")
     assert (tmp_path / "build" / "ce_torch_check.o").stat().st_size > 0
@@ -63,7 +63,7 @@ def test_compile_check_fails_on_a_broken_source(tmp_path):
 
 
 def test_torch_kernels_follow_the_torch_build():
-    """csrc/ce_ops.cu links torch's CUDA libraries: built and loaded with a CUDA torch
+    """The library of csrc/ links torch's CUDA libraries: built and loaded with a CUDA torch
     (and nvcc), absent with a CPU torch, where CUDA gathers stay on the collective."""
     from torch_ce.runtime import gather, native
 
@@ -73,7 +73,7 @@ def test_torch_kernels_follow_the_torch_build():
         with native.split_local_copy_as(False):  # no kernels to push to, never an error
             assert not native.split_local_copy()
     else:
-        assert native.library_path() is not None, "csrc/ce_ops.cu was not built"
+        assert native.library_path() is not None, "csrc/ was not built"
         assert native.load() == (os.environ.get("TORCH_CE_NATIVE", "1") != "0")
         if native.loaded():  # says how it was built, and which row kernel serves
             tool, headers, rows = native.build_info()
@@ -210,12 +210,48 @@ def test_peer_order_knobs(monkeypatch):
             native.read_knobs(dict(good, **{env: bad}))
 
 
+def _csrc(*exts):
+    return sorted(f"csrc/{n}" for n in os.listdir(os.path.join(ROOT, "csrc")) if n.endswith(exts))
+
+
+def _read(rel):
+    with open(os.path.join(ROOT, rel)) as f:
+        return f.read()
+
+
 def test_no_getenv_in_the_gather():
     """No knob is read from the environment in C++ (NOTE [experiment knobs]: Python reads
     them once and pushes them)."""
-    for name in ("ce_ops.cu", "ce_copy.h", "ce_rows.cu", "ce_reduce.cu", "ce_reduce.h"):
-        with open(os.path.join(ROOT, "csrc", name)) as f:
-            assert "getenv" not in f.read(), name
+    for rel in _csrc(".cu", ".cpp", ".h"):
+        assert "getenv" not in _read(rel), rel
+
+
+def test_setup_builds_every_source_of_csrc():
+    """Every csrc/ source is in setup.py's lists, so the install builds it (nvcc: all of
+    SOURCES; the host compiler: HOST_SOURCES) and compile-checks it against a CPU torch (CI's
+    leg of the README's install), and a change of any header rebuilds. The host sources hold
+    no device code (the host compiler reads them as C++); the kernels are only in
+    KERNEL_SOURCES; the ops are registered in one file, ce_ops.cu; no file of csrc/ grows past
+    800 lines (split by concern instead)."""
+    assert sorted(S.SOURCES) == _csrc(".cu", ".cpp"), (S.SOURCES, _csrc(".cu", ".cpp"))
+    assert sorted(S.HEADERS) == _csrc(".h"), (S.HEADERS, _csrc(".h"))
+    assert set(S.HOST_SOURCES) | set(S.KERNEL_SOURCES) == set(S.SOURCES)
+    assert not set(S.HOST_SOURCES) & set(S.KERNEL_SOURCES)
+    # Link order is static construction order: the event pool (ce_gather.cu) outlives the
+    # reduce-scatter's handle maps (ce_reduce_scatter.cu), whose calls return events at exit;
+    # the op registrations are built last.
+    assert S.SOURCES.index("csrc/ce_gather.cu") < S.SOURCES.index("csrc/ce_reduce_scatter.cu")
+    assert S.HOST_SOURCES[-1] == S.TORCH_SOURCE
+    for rel in S.HOST_SOURCES:
+        src = _read(rel)
+        assert "__global__" not in src and "<<<" not in src, f"{rel}: device code in a host source"
+    for rel in S.KERNEL_SOURCES:
+        assert "__global__" in _read(rel), rel
+    registers = [rel for rel in S.SOURCES if "TORCH_LIBRARY" in _read(rel)]
+    assert registers == [S.TORCH_SOURCE] == ["csrc/ce_ops.cu"], registers
+    for rel in _csrc(".cu", ".cpp", ".h"):
+        lines = _read(rel).count("\n")
+        assert lines <= 800, f"{rel}: {lines} lines (at most 800: split it by concern)"
 
 
 # ---------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def test_every_cache_key_field_changes_both_keys(name):
 
 
 # Run-time-only settings: they change what a bind or a calibration does, never the graph.
-RUN_TIME_ONLY = {"cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "cuda_torch_fallback", "shm_prefix",
+RUN_TIME_ONLY = {"cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "bind_readback", "cuda_torch_fallback", "shm_prefix",
                  "rs_workspace_cap_mib", "rs_timeout_s", "eager_gathers", "rs_native",
                  "rs_host_flags"}
 

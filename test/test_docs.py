@@ -116,6 +116,10 @@ def missing_paths(root: str, doc: str) -> list[str]:
     relative to the root or to torch_ce/ (other projects' paths, ``EXTERNAL``, aside)."""
     text = _read(root, doc)
     text = re.sub(r"https?://\S+", "", text)
+    layout = re.search(r"^## Layout.*?\n```\n(.*?)\n```", text, re.S | re.M)
+    if layout:  # its entries name files within their folder (test/test_layout.py checks them both ways)
+        entries = re.sub(r"^( {0,6})[\w.\-]+/?(?=\s|$)", r"\1", layout.group(1), flags=re.M)
+        text = text[:layout.start(1)] + entries + text[layout.end(1):]
     out = []
     for m in _PATH.finditer(text):
         p = m.group(1)

@@ -161,7 +161,7 @@ def test_the_import_checks_catch_violations():
     bad_passes = ("from ..runtime import binding\n"
                   "def f():\n    from ..runtime.host import HostTransport\n"
                   "import torch_ce.runtime.bind_step\n"
-                  "from ..runtime.windows import WindowPool\n")
+                  "from ..runtime.window_pools import WindowPool\n")
     assert len(passes_violations("passes/x.py", bad_passes)) == 4
     assert len(passes_violations("passes/x.py", "from ..runtime.calibration import calibrate\n")) == 1
     assert not passes_violations("passes/x.py", "from ..runtime.cost_model import curve_for\n"

@@ -38,9 +38,9 @@ def _shm_maps() -> list[str]:
 
 
 def _n_windows() -> int:
-    import torch_ce.runtime.windows as W
+    import torch_ce.runtime.window_pools as WP
 
-    return sum(len(p.windows) for p in W.pools().values())
+    return sum(len(p.windows) for p in WP.pools().values())
 
 
 # ---------------------------------------------------------------------------------------
@@ -50,6 +50,7 @@ def _n_windows() -> int:
 
 def _memory(rank, ws, base):
     import torch_ce
+    import torch_ce.runtime.window_pools as WP
     import torch_ce.runtime.windows as W
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -81,7 +82,7 @@ def _memory(rank, ws, base):
     out["exact"] = [torch.equal(_ce(p._local_tensor), refs[n]) for n, p in model.items()]
     out["data_kept"] = [torch.equal(p._local_tensor, clones[n]) for n, p in model.items()]
 
-    windows = [w for pool in W.pools().values() for w in pool.windows]
+    windows = [w for pool in WP.pools().values() for w in pool.windows]
     win_refs = [StorageWeakRef(w.local.untyped_storage()) for w in windows]
     peer_refs = [StorageWeakRef(v.untyped_storage()) for w in windows for v in w.peer_locals]
     del windows, slots
@@ -372,6 +373,7 @@ def test_after_release_all_the_next_run_binds_again(recompiles, phase):
 def _rank_groups(rank, ws, cache_root):
     setup_compile(cache_root, rank, fx_cache=False)
     import torch_ce
+    import torch_ce.runtime.window_pools as WP
     import torch_ce.runtime.windows as W
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -408,7 +410,7 @@ def _rank_groups(rank, ws, cache_root):
     slot_ranks = [W.lookup(p._local_tensor).window.group_ranks for p in dense + experts]
     return dict(
         exact=[torch.equal(o, e) for o, e in zip(outs, eager, strict=True)],
-        pools=sorted(W.pools()),
+        pools=sorted(WP.pools()),
         slot_ranks=slot_ranks,
         compile_bound=len(report.graphs[-1].bound),
         refused=report.graphs[-1].refused,

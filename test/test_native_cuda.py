@@ -1,4 +1,4 @@
-"""The C++ gather kernels (csrc/ce_ops.cu, NOTE [native gather path]) on CUDA.
+"""The C++ gather kernels (csrc/ce_gather.cu, NOTE [native gather path]) on CUDA.
 
 One GPU: a single rank with loopback slots (``cuda_helpers.register_loopback``: the "peer" copy
 is a second local tensor, since symmetric memory refuses two ranks on one device) checks

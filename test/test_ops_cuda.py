@@ -42,10 +42,10 @@ def _wait(t):
 
 
 def _windows_overlap(t) -> bool:
-    import torch_ce.runtime.windows as W
+    import torch_ce.runtime.window_pools as WP
 
     lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    for pool in W.pools().values():
+    for pool in WP.pools().values():
         for w in pool.windows:
             b = w.local.data_ptr()
             if lo < b + w.nbytes and b < hi:

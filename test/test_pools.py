@@ -28,6 +28,7 @@ def _graph_weights(g: int, rank: int) -> list[torch.Tensor]:
 
 def _rank_200_graphs(rank: int, world: int, cap_mib: float) -> dict:
     import torch_ce
+    from torch_ce.runtime import window_pools as WP
     from torch_ce.runtime import windows as W
 
     torch_ce.config.update(window_cap_mib=cap_mib, cost_mode="default")
@@ -46,18 +47,18 @@ def _rank_200_graphs(rank: int, world: int, cap_mib: float) -> dict:
     for ws, rs in zip(kept, refs, strict=True):  # every gather exact, also of early graphs' weights
         for w, r in zip(ws, rs, strict=True):
             assert torch.equal(torch_ce.all_gather(w), r)
-    pool = next(iter(W.pools().values()))
-    assert len(W.pools()) == 1
-    stats = dict(windows=len(pool.windows), open=W.open_count(), reserved=pool.reserved,
+    pool = next(iter(WP.pools().values()))
+    assert len(WP.pools()) == 1
+    stats = dict(windows=len(pool.windows), open=WP.open_count(), reserved=pool.reserved,
                  used=pool.used, bound=W.window_bound(pool.reserved, torch_ce.config.window_cap_bytes),
                  sizes=[w.nbytes for w in pool.windows])
     # Counting through release_all(): windows still viewed by live tensors stay counted.
     dist.barrier()
     torch_ce.release_all()
-    stats["after_release"] = W.open_count()
+    stats["after_release"] = WP.open_count()
     del kept, ws, w, r, o, originals, pool
     gc.collect()
-    stats["after_drop"] = W.open_count()
+    stats["after_drop"] = WP.open_count()
     return stats
 
 
@@ -86,13 +87,14 @@ def test_200_graphs_bind_into_few_windows(cap_mib):
 def _rank_failed_open(rank: int, world: int) -> dict:
     import torch_ce
     from torch_ce.runtime import agreement, host
+    from torch_ce.runtime import window_pools as WP
     from torch_ce.runtime import windows as W
 
     torch_ce.config.update(cost_mode="default", bind_timeout_s=20.0)
     gen = torch.Generator().manual_seed(7 + rank)
     first = torch.randn(64, 32, generator=gen)
     torch_ce.bind([first], group=dist.group.WORLD)
-    before = W.open_count()
+    before = WP.open_count()
     big = torch.randn(2**20 // 4 * 12, generator=gen).view(-1, 1024)  # 12 MiB: a new window
     orig = big.clone()
     real = host.open_windows
@@ -109,10 +111,10 @@ def _rank_failed_open(rank: int, world: int) -> dict:
     finally:
         host.open_windows = real
     assert W.lookup(big) is None and torch.equal(big, orig)
-    after_fail = W.open_count()
+    after_fail = WP.open_count()
     res = torch_ce.bind([big], group=dist.group.WORLD)  # a retry works and counts right
     assert res.bound and torch.equal(torch_ce.all_gather(big), reference_all_gather(big))
-    return dict(before=before, after_fail=after_fail, after_retry=W.open_count())
+    return dict(before=before, after_fail=after_fail, after_retry=WP.open_count())
 
 
 def test_failed_open_keeps_the_count():

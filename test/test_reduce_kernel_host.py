@@ -1,9 +1,9 @@
 """The native reduce-scatter path's CPU-checkable parts (NOTE [native reduce-scatter path]
-in csrc/ce_ops.cu, NOTE [reduction kernel] in csrc/ce_reduce.cu): no GPU here.
+in csrc/ce_reduce_scatter.cu, NOTE [reduction kernel] in csrc/ce_reduce.cu): no GPU here.
 
 - ``test_triton_kernel_is_the_reference_in_fp32``: the Triton reduction
-  (runtime/reduce_triton.py) run by Triton's interpreter on CPU tensors equals
-  ``reduce_scatter._reduce`` bit for bit (sum and premul_sum at worlds 2, 3 and 4, members
+  (runtime/reduce_scatter/reduce_triton.py) run by Triton's interpreter on CPU tensors
+  equals ``reference._reduce`` bit for bit (sum and premul_sum at worlds 2, 3 and 4, members
   at unaligned offsets; avg at world 2, and at world 3 against the sum times fp32(1/3),
   what ``_reduce``'s ``div_`` computes on CUDA). Skipped without triton and numpy (the
   interpreter needs numpy; the interpreter's bf16 cast truncates, so bf16 is the GPU
@@ -11,10 +11,11 @@ in csrc/ce_ops.cu, NOTE [reduction kernel] in csrc/ce_reduce.cu): no GPU here.
 - ``test_fallback_reduces_like_the_reference``: ``reduce_fallback`` (what the native
   completion calls without the CUDA kernel) on CPU tensors: ``_reduce``'s numbers, the
   premul factor carried exactly.
-- ``test_address_tables``: the integers ``_native_workspace`` hands to C++ are the words
-  the Python ``_Cuda`` path waits on and writes, table by table.
+- ``test_address_tables``: the integers ``workspace._native_view`` hands to C++ are the
+  words the Python ``CudaFlags`` path waits on and writes, table by table.
 - ``test_host_flag_tables_carry_the_poison_words``: with host-mapped flags (runtime/
-  rs_host_flags.py) the tables are the segments' words, and the two poison words follow.
+  reduce_scatter/host_flags.py) the tables are the segments' words, and the two poison
+  words follow.
 - ``test_watchdog_release_writes``: what the watchdog writes to release a call, on each
   kind of workspace: host-mapped flags get the call's tag in its half's poison word, then
   the awaited flags, then RETRACT in the peers' data flags (none on a mismatch); device
@@ -28,8 +29,9 @@ in csrc/ce_ops.cu, NOTE [reduction kernel] in csrc/ce_reduce.cu): no GPU here.
   launch; a done call leaves the watch.
 - ``test_rs_cost_dry_run``: bench/rs_cost.py's plan and table without a GPU.
 - ``test_rs_cost_replot``: its ``--replot`` prints a saved result's table (and its PNG).
-- ``test_no_kernel_in_the_host_compiled_source``: csrc/ce_ops.cu is also built by the
-  host C++ compiler: no ``__global__`` there.
+- ``test_no_kernel_in_the_host_compiled_source``: csrc/ce_reduce_scatter.cu (and the
+  library's other host sources) is also built by the host C++ compiler: no ``__global__``
+  there.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def _sources(w, n_members, dtype, gen, index, cap=4096):
 
 
 def _reference(recv, owns, offs, index, reduce_op):
-    from torch_ce.runtime.reduce_scatter import _reduce
+    from torch_ce.runtime.reduce_scatter.reference import _reduce
 
     w = recv.shape[0]
     outs = []
@@ -75,8 +77,8 @@ import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
 sys.path.insert(0, sys.argv[1])
-from torch_ce.runtime import reduce_triton as RT
-from torch_ce.runtime.reduce_scatter import _reduce
+from torch_ce.runtime.reduce_scatter import reduce_triton as RT
+from torch_ce.runtime.reduce_scatter.reference import _reduce
 gen = torch.Generator().manual_seed(7)
 bad = []
 for w in (2, 3, 4):
@@ -105,7 +107,7 @@ print("BAD", bad)
 
 
 def test_triton_kernel_is_the_reference_in_fp32():
-    from torch_ce.runtime import reduce_triton
+    from torch_ce.runtime.reduce_scatter import reduce_triton
 
     why = reduce_triton.unavailable()
     if why is not None or importlib.util.find_spec("numpy") is None:
@@ -119,23 +121,23 @@ def test_triton_kernel_is_the_reference_in_fp32():
 @pytest.mark.parametrize("world", [2, 3])
 def test_fallback_reduces_like_the_reference(dtype, world):
     from torch_ce.runtime import reduce_scatter as RS
+    from torch_ce.runtime.reduce_scatter import spec as S
 
     gen = torch.Generator().manual_seed(3 + world)
     for reduce_op in ("sum", "avg", "premul_sum(0.1)", "premul_sum(0.333333333333)"):
         index = world - 1
         recv, owns, offs = _sources(world, 3, dtype, gen, index)
-        op, factor = RS._op_code(reduce_op)
+        op, factor = S.op_code(reduce_op)
         outs = [torch.empty_like(o) for o in owns]
         RS.reduce_fallback(owns, outs, recv, index, offs, op, factor)
         for o, e in zip(outs, _reference(recv, owns, offs, index, reduce_op), strict=True):
             assert torch.equal(o, e), (reduce_op, dtype, world)
-    assert RS._op_code("avg") == (1, 1.0) and RS._op_code("premul_sum(0.25)") == (2, 0.25)
+    assert S.op_code("avg") == (1, 1.0) and S.op_code("premul_sum(0.25)") == (2, 0.25)
 
 
 def test_address_tables(monkeypatch):
     from torch_ce.runtime import native
-    from torch_ce.runtime import reduce_scatter as RS
-    from torch_ce.runtime import rs_workspace as RW
+    from torch_ce.runtime.reduce_scatter import flags as RF, workspace as RW
 
     w, cap = 3, 1024
     recvs = [torch.zeros(2, w, cap) for _ in range(w)]
@@ -150,12 +152,12 @@ def test_address_tables(monkeypatch):
     class _S:
         cuda_stream = 0
 
-    monkeypatch.setattr(RS, "_streams", lambda device: (_S(), _S()))
-    assert RS._native_workspace(ws) == "handle" and ws.native == "handle"
+    ws.streams = (_S(), _S())  # a CUDA workspace's own (made with it)
+    assert RW._native_view(ws) == "handle"
     addrs, world, index, c, dtype, device = got["args"][:6]
     assert (world, index, c, dtype, device) == (w, i, cap, torch.float32, None)  # CPU tensors here
     assert len(addrs) == 8 * 2 * w
-    DATA, FREE = RW.DATA, RW.FREE
+    DATA, FREE = RF.DATA, RF.FREE
 
     def t(k, h, j):
         return addrs[(k * 2 + h) * w + j]
@@ -178,8 +180,7 @@ def test_address_tables(monkeypatch):
 def _host_flag_workspaces(w: int, cap: int, tmp: str) -> list:
     """``w`` workspaces whose words live in host flag segments (``open_group`` as the
     loopback tests use it, not registered with CUDA), slices in plain CPU tensors."""
-    from torch_ce.runtime import rs_host_flags as HF
-    from torch_ce.runtime import rs_workspace as RW
+    from torch_ce.runtime.reduce_scatter import host_flags as HF, workspace as RW
 
     segs = HF.open_group(None, [os.path.join(tmp, f"flags_{r}") for r in range(w)], 0, register=False)
     recvs = [torch.zeros(2, w, cap) for _ in range(w)]
@@ -190,7 +191,7 @@ def _host_flag_workspaces(w: int, cap: int, tmp: str) -> list:
 
 def test_host_flag_tables_carry_the_poison_words(monkeypatch, tmp_path):
     from torch_ce.runtime import native
-    from torch_ce.runtime import reduce_scatter as RS
+    from torch_ce.runtime.reduce_scatter import workspace as RW
 
     w, i = 3, 2
     wss = _host_flag_workspaces(w, 256, str(tmp_path))
@@ -200,8 +201,8 @@ def test_host_flag_tables_carry_the_poison_words(monkeypatch, tmp_path):
     class _S:
         cuda_stream = 0
 
-    monkeypatch.setattr(RS, "_streams", lambda device: (_S(), _S()))
-    RS._native_workspace(wss[i])
+    wss[i].streams = (_S(), _S())
+    RW._native_view(wss[i])
     addrs = got["args"][0]
     assert len(addrs) == 8 * 2 * w + 2
     assert addrs[-2:] == [wss[i].poison[0].data_ptr(), wss[i].poison[1].data_ptr()]
@@ -211,27 +212,26 @@ def test_host_flag_tables_carry_the_poison_words(monkeypatch, tmp_path):
 
 
 def _released_call(ws, half, tag):
-    from torch_ce.runtime import reduce_scatter as RS
+    from torch_ce.runtime.reduce_scatter.call import Call
 
-    return RS.Call(ws, half, [], [], [], [], "sum", "bucket", 0, seq=5, numel=8, tag=tag, native="h")
+    return Call(ws, half, [], [], [], [], "sum", "bucket", 0, seq=5, numel=8, tag=tag, native="h")
 
 
 @pytest.mark.parametrize("mismatch", [False, True])
 def test_watchdog_release_writes(monkeypatch, tmp_path, mismatch):
     from torch_ce.runtime import native
-    from torch_ce.runtime import reduce_scatter as RS
-    from torch_ce.runtime import rs_workspace as RW
+    from torch_ce.runtime.reduce_scatter import flags as RF, watchdog as WD, workspace as RW
 
     w, i, h, tag = 3, 1, 1, 0x1234567
-    stuck = [(RW.FREE, 2, 1), (RW.DATA, 2, tag), (RW.DATA, 0, tag)]
+    stuck = [(RF.FREE, 2, 1), (RF.DATA, 2, tag), (RF.DATA, 0, tag)]
     wss = _host_flag_workspaces(w, 64, str(tmp_path))
     ws = wss[i]
-    RS._release_host_flags(ws, _released_call(ws, h, tag), stuck, mismatch)
+    WD._release_host_flags(ws, _released_call(ws, h, tag), stuck, mismatch)
     assert ws.poison.tolist() == [0, tag]
-    assert ws.flags[RW.FREE, h, 2] == 1 and ws.flags[RW.DATA, h, 2] == tag and ws.flags[RW.DATA, h, 0] == tag
-    assert ws.flags[RW.DATA, 1 - h].tolist() == [0, 0, 0]  # the other half untouched
+    assert ws.flags[RF.FREE, h, 2] == 1 and ws.flags[RF.DATA, h, 2] == tag and ws.flags[RF.DATA, h, 0] == tag
+    assert ws.flags[RF.DATA, 1 - h].tolist() == [0, 0, 0]  # the other half untouched
     for j in (0, 2):
-        assert int(wss[j].flags[RW.DATA, h, i]) == (0 if mismatch else RW.RETRACT)
+        assert int(wss[j].flags[RF.DATA, h, i]) == (0 if mismatch else RF.RETRACT)
     # Device flags: the same release through the library's own-stream writes, recorded.
     writes = []
     monkeypatch.setattr(native, "host_write_words",
@@ -240,33 +240,34 @@ def test_watchdog_release_writes(monkeypatch, tmp_path, mismatch):
     recvs = [torch.zeros(2, w, 64) for _ in range(w)]
     dws = RW.Workspace((tuple(range(w)), "float32", "cuda", "k2", i), i, 64, torch.float32, recvs[i], flags[i],
                        recvs, flags, [], "")
-    RS._release_device_flags(dws, _released_call(dws, h, tag), stuck, mismatch)
+    WD._release_device_flags(dws, _released_call(dws, h, tag), stuck, mismatch)
     nan = (0x7FC00000, 8, 4)
-    want = [(flags[i][RW.FREE, h, 2].data_ptr(), 1, 1, 4),
-            (recvs[i][h, 2].data_ptr(), *nan), (flags[i][RW.DATA, h, 2].data_ptr(), tag, 1, 4),
-            (recvs[i][h, 0].data_ptr(), *nan), (flags[i][RW.DATA, h, 0].data_ptr(), tag, 1, 4)]
+    want = [(flags[i][RF.FREE, h, 2].data_ptr(), 1, 1, 4),
+            (recvs[i][h, 2].data_ptr(), *nan), (flags[i][RF.DATA, h, 2].data_ptr(), tag, 1, 4),
+            (recvs[i][h, 0].data_ptr(), *nan), (flags[i][RF.DATA, h, 0].data_ptr(), tag, 1, 4)]
     if not mismatch:
-        want += [(flags[j][RW.DATA, h, i].data_ptr(), RW.RETRACT, 1, 4) for j in (0, 2)]
+        want += [(flags[j][RF.DATA, h, i].data_ptr(), RF.RETRACT, 1, 4) for j in (0, 2)]
     assert writes == want
 
 
 def test_on_by_default_never_on_cpu():
     import torch_ce
     from torch_ce.runtime import native
-    from torch_ce.runtime import reduce_scatter as RS
+    from torch_ce.runtime.reduce_scatter import launch as L
 
     assert torch_ce.config.rs_native is True
-    assert RS._native() == native.has_rs_native()  # a CPU torch: never
+    assert L.native_path() == native.has_rs_native()  # a CPU torch: never
     if torch.version.cuda is None:
-        assert not RS._native()
+        assert not L.native_path()
     with torch_ce.config.patch(rs_native=False):
-        assert not RS._native()
+        assert not L.native_path()
 
 
 def test_no_kernel_in_the_host_compiled_source():
-    with open(os.path.join(ROOT, "csrc", "ce_ops.cu")) as f:
-        src = f.read()
-    assert "__global__" not in src and "<<<" not in src
+    for name in ("ce_ops.cu", "ce_gather.cu", "ce_reduce_scatter.cu", "ce_flags.cu"):
+        with open(os.path.join(ROOT, "csrc", name)) as f:
+            src = f.read()
+        assert "__global__" not in src and "<<<" not in src, name
     with open(os.path.join(ROOT, "csrc", "ce_reduce.h")) as f:
         assert "__global__" not in f.read()
 
@@ -365,26 +366,27 @@ def test_watchdog_frees_its_calls_before_it_leaves(monkeypatch):
     import types
 
     from torch_ce.runtime import native
-    from torch_ce.runtime import reduce_scatter as RS
+    from torch_ce.runtime.reduce_scatter import watchdog as WD
+    from torch_ce.runtime.reduce_scatter.call import Call
 
     freed = []
 
     class Handle:  # stands for native.Handle: its __del__ runs rs_forget
         def __del__(self):
             me = threading.current_thread()
-            freed.append((me.name, bool(RS._watcher) and RS._watcher[0] is me))
+            freed.append((me.name, bool(WD._watcher) and WD._watcher[0] is me))
 
     monkeypatch.setattr(native, "rs_stages", lambda hs: [3] * len(hs))  # every call done
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     ws = types.SimpleNamespace(failed="", key=((0, 1),), gen=1)
     for k in range(3):
-        call = RS.Call(ws, 0, [], [], [], [], "sum", f"c{k}", 0, recorded=True, native=Handle())
-        RS._watch(call, started=False)
+        call = Call(ws, 0, [], [], [], [], "sum", f"c{k}", 0, native=Handle())
+        WD.watch(call, started=False)
         del call
         deadline = time.monotonic() + 5.0
-        while (len(freed) <= k or RS._watcher) and time.monotonic() < deadline:
+        while (len(freed) <= k or WD._watcher) and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert len(freed) == k + 1 and not RS._watcher, (freed, RS._watcher)
+        assert len(freed) == k + 1 and not WD._watcher, (freed, WD._watcher)
     assert freed == [("torch_ce_rs_watchdog", True)] * 3, freed
 
 
@@ -400,6 +402,8 @@ def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):
     import torch_ce
     from torch_ce.runtime import native
     from torch_ce.runtime import reduce_scatter as RS
+    from torch_ce.runtime.reduce_scatter import watchdog as WD
+    from torch_ce.runtime.reduce_scatter.call import Call, NativeDone, Stage
 
     stage = {"a": 0, "b": 0}
     released, queries = [], []
@@ -409,21 +413,21 @@ def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):
         return [stage[h] for h in hs]
 
     monkeypatch.setattr(native, "rs_stages", stages)
-    monkeypatch.setattr(RS, "_release", lambda call, why: released.append((call.native, why, time.monotonic())))
+    monkeypatch.setattr(WD, "_release", lambda call, why: released.append((call.native, why, time.monotonic())))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     ws = types.SimpleNamespace(failed="", key=((0, 1),), gen=1)
     calls = {}
     for h in ("a", "b"):
-        calls[h] = RS.Call(ws, 0, [], [], [], [], "sum", h, 0, recorded=True, native=h)
-        calls[h].done = RS._NativeDone(h)
+        calls[h] = Call(ws, 0, [], [], [], [], "sum", h, 0, native=h)
+        calls[h].done = NativeDone(h)
     # A Python-path call watched between them, done: it leaves the watch, and the native
     # calls' stages stay theirs.
-    py = RS.Call(ws, 0, [], [], [], [], "sum", "py", 0, recorded=True)
+    py = Call(ws, 0, [], [], [], [], "sum", "py", 0, stage=Stage.RECORDED)
     py.done = types.SimpleNamespace(query=lambda: True)
     with torch_ce.config.patch(rs_timeout_s=0.3):
-        RS._watch(calls["a"], started=False)
-        RS._watch(py)
-        RS._watch(calls["b"], started=False)
+        WD.watch(calls["a"], started=False)
+        WD.watch(py)
+        WD.watch(calls["b"], started=False)
         time.sleep(0.6)  # longer than the timeout, completions not begun: nothing released
         assert released == []
         stage["a"], stage["b"] = 1, 3  # a: completion begun; b: done
@@ -433,7 +437,7 @@ def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):
             time.sleep(0.01)
     assert [r[0] for r in released] == ["a"] and released[0][1] == "timeout", released
     assert released[0][2] - t0 >= 0.25, released[0][2] - t0  # from its start, not its launch
-    with RS._watch_lock:
-        assert not any(item[1] is calls["b"] or item[1] is py for item in RS._watched)
+    with WD._watch_lock:
+        assert not any(item[1] is calls["b"] or item[1] is py for item in WD._watched)
     assert queries and all(q in (["a", "b"], ["a"]) for q in queries), queries
     RS.release()

@@ -1,5 +1,5 @@
 """The copy-engine reduce-scatter on CUDA (NOTE [copy-engine reduce-scatter] in
-torch_ce/runtime/reduce_scatter.py).
+torch_ce/runtime/reduce_scatter/__init__.py).
 
 One GPU, loopback workspaces (``cuda_helpers.loopback_workspaces``: one process plays every
 rank of the group; each "rank" launches, then each completes, the order the protocol's
@@ -38,7 +38,7 @@ waits need):
 
 The loopback tests run three times: on the Python launch and completion, with
 ``config.rs_native`` on the C++ ones with the fused reduction kernel (NOTE [native
-reduce-scatter path] in csrc/ce_ops.cu; skipped where the library lacks them), and those
+reduce-scatter path] in csrc/ce_reduce_scatter.cu; skipped where the library lacks them), and those
 with ``config.rs_host_flags`` (flags, headers and poison words in registered /dev/shm
 segments: what one hardware queue gets, NOTE [poison word]).
 ``test_native_runs_one_reduction_kernel`` profiles a native call: the pushes' memcpys, and
@@ -66,10 +66,10 @@ pytestmark = needs_gpu_and_kernels
 def rs_native(request):
     """Each loopback test on the Python path, on the native one (config.rs_native), and on
     the native one with host-mapped flags (config.rs_host_flags: what one hardware queue
-    gets; NOTE [poison word] in csrc/ce_ops.cu)."""
+    gets; NOTE [poison word] in csrc/ce_flags.cu)."""
     import torch_ce
     from torch_ce.runtime import native
-    from torch_ce.runtime import rs_host_flags as HF
+    from torch_ce.runtime.reduce_scatter import host_flags as HF
 
     on = request.param != "python"
     if on and not native.has_rs_native():
@@ -116,11 +116,10 @@ def test_loopback_exact(world, rs_native):
     from torch_ce.runtime import native
 
     gen = torch.Generator(device="cuda").manual_seed(11 + world)
+    gc.collect()  # earlier tests' workspaces first (a workspace and its owed call hold each other)
     held = native.rs_handle_count() if rs_native else 0
-    keys = set()
     for dtype in (torch.float32, torch.bfloat16):
         wss = loopback_workspaces(world, 4096, dtype)
-        keys |= {(ws.key, ws.gen) for ws in wss}
         start = [ws.flags.clone() for ws in wss]
         for call in range(10):
             op = "avg" if call % 3 == 2 else "sum"
@@ -147,13 +146,9 @@ def test_loopback_exact(world, rs_native):
         del wss, outs, xs
         time.sleep(0.2)  # the watchdog lets go of the done calls
         gc.collect()
-        from torch_ce.runtime import reduce_scatter as RS
-
-        # A call still owed its completion (the pool's next call completes it) holds its
-        # C++ call and, through its workspace, the workspace's: nothing else is left.
-        calls = [c for k in keys for c in RS._pending.get(k, {}).values() if c.native is not None]
-        owed = len(calls) + len({id(c.ws) for c in calls if c.ws.native is not None})
-        assert native.rs_handle_count() == held + owed, (native.rs_handle_count(), held, owed)
+        # A call still owed its completion (the pool's next call completes it) is held by
+        # its workspace (``Workspace.owed``), and goes with it: nothing is left.
+        assert native.rs_handle_count() == held, (native.rs_handle_count(), held)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -329,12 +324,11 @@ def test_native_runs_one_reduction_kernel():
                     reason="run by test_dead_peer_releases_the_host, in a subprocess with a hard timeout")
 def test_dead_peer_child():
     import torch_ce
-    from torch_ce.runtime import reduce_scatter as RS
-    from torch_ce.runtime.rs_workspace import ReduceScatterError
+    from torch_ce.runtime.reduce_scatter import ReduceScatterError, launch as RS
 
     torch_ce.config.update(rs_timeout_s=2.0, rs_native=os.environ.get("CE_TEST_RS_NATIVE") == "1",
                            rs_host_flags=True if os.environ.get("CE_TEST_HOST_FLAGS") == "1" else None)
-    from torch_ce.runtime import rs_host_flags as HF
+    from torch_ce.runtime.reduce_scatter import host_flags as HF
 
     host = HF.wanted()  # one queue with the native path: host-mapped flags, as the op would
     w, dtype = 2, torch.float32
@@ -396,9 +390,9 @@ def test_dead_peer_releases_the_host(connections, path):
     paths), and host-mapped flags forced (native). One queue: the native path takes
     host-mapped flags (a host store releases the wait, the kernel reads the poison word);
     the Python path is not run there: the op keeps the collective
-    (rs_workspace.one_queue_refusal; test_reduce_scatter_faults_host)."""
+    (RsReason.ONE_QUEUE, reduce_scatter/op.py; test_reduce_scatter_faults_host)."""
     from torch_ce.runtime import native
-    from torch_ce.runtime import rs_host_flags as HF
+    from torch_ce.runtime.reduce_scatter import host_flags as HF
 
     if path != "python" and not native.has_rs_native():
         pytest.skip("the library has no native reduce-scatter (rebuild csrc/)")
@@ -432,7 +426,7 @@ def _two_gpus(rank, world, seed):
     import torch.distributed as dist
 
     import torch_ce
-    from torch_ce.runtime.rs_workspace import ReduceScatterError
+    from torch_ce.runtime.reduce_scatter import ReduceScatterError
 
     torch_ce.config.update(rs_timeout_s=5.0)
     gen = torch.Generator(device="cuda").manual_seed(seed + rank)

@@ -1,6 +1,6 @@
 """The copy-engine reduce-scatter under the faults users produce (issue 46), on the host
 transport (CPU, 2 gloo ranks): NOTE [reduce-scatter workspaces] in
-torch_ce/runtime/rs_workspace.py says what holds.
+torch_ce/runtime/reduce_scatter/workspace.py says what holds.
 
 - ``test_a_skipped_bucket_is_an_error_on_every_rank``: after a shared first call, rank 0
   runs buckets A then B, rank 1 (a second late) only B: both ranks raise at that call,
@@ -62,7 +62,7 @@ def _skipped(rank, world, seed):
     import torch.distributed as dist
 
     import torch_ce
-    from torch_ce.runtime.rs_workspace import ReduceScatterError
+    from torch_ce.runtime.reduce_scatter import ReduceScatterError
 
     torch_ce.config.update(rs_timeout_s=20.0)
     gen = torch.Generator().manual_seed(seed + rank)
@@ -101,7 +101,7 @@ def _first_sizes(rank, world, seed):
     import torch.distributed as dist
 
     import torch_ce
-    from torch_ce.runtime.rs_workspace import ReduceScatterError
+    from torch_ce.runtime.reduce_scatter import ReduceScatterError
 
     torch_ce.config.update(rs_timeout_s=20.0)
     gen = torch.Generator().manual_seed(seed + rank)
@@ -125,8 +125,7 @@ def _timeout(rank, world, seed):
     import torch.distributed as dist
 
     import torch_ce
-    from torch_ce.runtime import rs_workspace as RW
-    from torch_ce.runtime.rs_workspace import ReduceScatterError
+    from torch_ce.runtime.reduce_scatter import ReduceScatterError, flags as RF, workspace as RW
 
     torch_ce.config.update(rs_timeout_s=1.5)
     gen = torch.Generator().manual_seed(seed + rank)
@@ -151,7 +150,7 @@ def _timeout(rank, world, seed):
     got.append(_exact(gen))
     if rank == 1:
         ws = next(iter(RW.pools().values()))
-        RW.fail(ws, (ws.calls - 1) % 2, "rank 1 gave up after the fact (test)")
+        RF.fail(ws, (ws.calls - 1) % 2, "rank 1 gave up after the fact (test)")
         got.append(_exact(gen))  # a new generation; its peer joins once it has learnt
     else:
         t0 = time.monotonic()
@@ -194,7 +193,7 @@ def _killed(rank, world, seed, where, out_dir):
         if where == "workspace":
             torch_ce.reduce_scatter(torch.randn(2 * 64), dist.group.WORLD)
         elif where == "host_flags":  # a CUDA workspace's host-mapped flag segments (unregistered here)
-            from torch_ce.runtime import rs_host_flags as HF
+            from torch_ce.runtime.reduce_scatter import host_flags as HF
 
             rnd = agreement.Round((0, 1), rank, 2.0, 2.0, what="flags_test")
             HF.open_group(rnd, [f"/dev/shm/tcek{seed}_flags_{j}" for j in range(2)], rank, register=False)
@@ -258,33 +257,34 @@ def test_one_hardware_queue_keeps_the_collective(monkeypatch):
     with ``rs_host_flags=False``, they stay on the collective, with the reason; any other
     setting keeps the copy engines on device flags."""
     import torch_ce
-    from torch_ce.runtime import rs_host_flags as HF
-    from torch_ce.runtime import rs_workspace as RW
+    from torch_ce.rs_reasons import RsReason
+    from torch_ce.runtime.reduce_scatter import host_flags as HF, op as O
 
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     monkeypatch.setattr(HF, "unavailable", lambda: "the library was built without nvcc")
-    why = RW.one_queue_refusal()
-    assert not HF.wanted()
+    why = O.one_queue_refusal()
+    assert not HF.wanted() and why.code == RsReason.ONE_QUEUE
+    why = str(why)
     assert why and "CUDA_DEVICE_MAX_CONNECTIONS=1" in why and "hang" in why and "without nvcc" in why, why
     monkeypatch.setattr(HF, "unavailable", lambda: None)  # a build with the kernel
-    assert HF.wanted() and RW.one_queue_refusal() is None
+    assert HF.wanted() and O.one_queue_refusal() is None
     with torch_ce.config.patch(rs_host_flags=False):
-        why = RW.one_queue_refusal()
+        why = str(O.one_queue_refusal())
         assert not HF.wanted() and why and "rs_host_flags is False" in why, why
     for v in ("8", "32"):
         monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", v)
-        assert RW.one_queue_refusal() is None and not HF.wanted()
+        assert O.one_queue_refusal() is None and not HF.wanted()
         with torch_ce.config.patch(rs_host_flags=True):
             assert HF.wanted()  # forced (the GPU tests run them under the default queues too)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    assert RW.one_queue_refusal() is None
+    assert O.one_queue_refusal() is None
 
 
 def _flag_segments(rank, world, seed):
     """Every rank opens the group's host-mapped flag segments (one Round), writes a fresh
     word into each peer's segment, and reads what each peer wrote into its own."""
     from torch_ce.runtime import agreement
-    from torch_ce.runtime import rs_host_flags as HF
+    from torch_ce.runtime.reduce_scatter import host_flags as HF
 
     ranks = tuple(range(world))
     if rank == world - 1:
@@ -305,7 +305,7 @@ def _flag_segments(rank, world, seed):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_host_flag_segments_are_shared_and_leave_no_name(world):
-    """The host-mapped flag segments of a CUDA workspace (runtime/rs_host_flags.py), opened
+    """The host-mapped flag segments of a CUDA workspace (runtime/reduce_scatter/host_flags.py), opened
     by gloo ranks as ``_open_cuda`` opens them (without the CUDA registration), the last
     rank 2 s late: every rank starts with its free flags set and the rest zero, sees what
     each peer stored into its segment, and no name is left in /dev/shm after the round."""

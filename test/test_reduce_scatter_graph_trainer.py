@@ -1,7 +1,7 @@
 """graph_trainer's traced step (``aot_fx_trace``, the ``torch_ce`` pass pipeline) with every
 gradient reduce-scatter on the copy-engine path (``reduce_scatter="copy_engine"``; host
 transport, 2 CPU gloo ranks; NOTE [copy-engine reduce-scatter] in
-torch_ce/runtime/reduce_scatter.py).
+torch_ce/runtime/reduce_scatter/__init__.py).
 
 One spawn trains graph_trainer's Llama3 debug config (bf16 ``param_dtype``, fp32 reduce)
 for 3 AdamW steps under regional Inductor (2 blocks) and, slow (CI's 2.14.1 leg runs it),

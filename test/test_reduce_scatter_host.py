@@ -1,5 +1,6 @@
 """The copy-engine reduce-scatter's protocol on the host transport (CPU, gloo ranks), the op
-called directly (NOTE [copy-engine reduce-scatter] in torch_ce/runtime/reduce_scatter.py).
+called directly (NOTE [copy-engine reduce-scatter] in
+torch_ce/runtime/reduce_scatter/__init__.py).
 
 Every rank checks every output against gloo's own ``reduce_scatter_tensor`` of the same
 fresh random inputs (world 2: bit-identical, a sum of two is order-free; world 3 and 4:
@@ -139,7 +140,7 @@ def _never_pushes(rank, world, seed):
     import torch.distributed as dist
 
     import torch_ce
-    from torch_ce.runtime.rs_workspace import ReduceScatterError
+    from torch_ce.runtime.reduce_scatter import ReduceScatterError
 
     torch_ce.config.update(rs_timeout_s=3.0)
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(seed + rank))
@@ -165,7 +166,7 @@ def _disagree(rank, world, seed):
     import torch.distributed as dist
 
     import torch_ce
-    from torch_ce.runtime.rs_workspace import ReduceScatterError
+    from torch_ce.runtime.reduce_scatter import ReduceScatterError
 
     torch_ce.config.update(rs_timeout_s=10.0)
     x = torch.randn(2 * (4096 if rank == 0 else 8192), generator=torch.Generator().manual_seed(seed))
@@ -183,28 +184,30 @@ def test_checks_and_group_lookups_cached(tmp_path):
     import torch.distributed as dist
 
     from torch_ce.runtime import reduce_scatter as R
-    from torch_ce.runtime import rs_workspace as RW
+    from torch_ce.runtime.reduce_scatter import op as O, spec as S
 
     bad = [torch.randn(3, 4)]
     for _ in range(2):  # never cached: every call raises
-        with pytest.raises(RW.ReduceScatterError, match="does not split in 2"):
-            R._spec(bad, "sum", 2, "a bad bucket")
+        with pytest.raises(R.ReduceScatterError, match="does not split in 2"):
+            S.spec_of(bad, "sum", 2, "a bad bucket")
     good = [torch.randn(6, 4), torch.randn(2, 5)]
-    need, nbytes, sig = R._spec(good, "avg", 2, "b")
-    assert (need, nbytes, sig) == (17, 34 * 4, RW.signature(good, "avg", 2))
-    assert R._spec([torch.randn(6, 4), torch.randn(2, 5)], "avg", 2, "b") == (need, nbytes, sig)
-    with pytest.raises(RW.ReduceScatterError, match="one dtype"):  # same shapes, another dtype mix
-        R._spec([good[0], good[1].to(torch.float64)], "avg", 2, "b")
+    spec = S.spec_of(good, "avg", 2, "b")
+    assert (spec.need, spec.nbytes, spec.sig) == (17, 34 * 4, S.signature(good, "avg", 2)[1])
+    assert S.signature(good, "avg", 2)[0] == 17
+    assert S.spec_of([torch.randn(6, 4), torch.randn(2, 5)], "avg", 2, "b") is spec
+    with pytest.raises(R.ReduceScatterError, match="one dtype"):  # same shapes, another dtype mix
+        S.spec_of([good[0], good[1].to(torch.float64)], "avg", 2, "b")
     firsts = []
     for k in range(2):  # the same group name, a new group each time
         dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store{k}", rank=0, world_size=1)
         try:
             name = dist.group.WORLD.group_name
-            assert R._group(name, 1, "b") == ((0,), 0)
-            firsts.append((name, R._groups[name][0]))
-            assert R._groups[name][0] is torch._C._distributed_c10d._resolve_process_group(name)
-            with pytest.raises(RW.ReduceScatterError, match="group_size 2"):
-                R._group(name, 2, "b")
+            pg, ranks, index = O._group(name, 1, "b")
+            assert (ranks, index) == ((0,), 0) and O._GROUPS[name][0] is pg
+            firsts.append((name, pg))
+            assert pg is torch._C._distributed_c10d._resolve_process_group(name)
+            with pytest.raises(R.ReduceScatterError, match="group_size 2"):
+                O._group(name, 2, "b")
         finally:
             dist.destroy_process_group()
     assert firsts[0][0] == firsts[1][0] and firsts[0][1] is not firsts[1][1]  # re-looked up

@@ -1,5 +1,6 @@
 """Training with every gradient reduce-scatter on the copy-engine path (host transport,
-gloo ranks; NOTE [copy-engine reduce-scatter] in torch_ce/runtime/reduce_scatter.py).
+gloo ranks; NOTE [copy-engine reduce-scatter] in
+torch_ce/runtime/reduce_scatter/__init__.py).
 
 torchtitan's zoo wrapped as graph_trainer wraps it (test/zoo_models.py: dense weights on
 the fsdp mesh, routed experts on the edp mesh), plain ``torch.compile``, AdamW. Each rank
@@ -104,6 +105,9 @@ def _check(res, world, exact):
         assert rows > 0 and cov["share"] == 1.0 and cov["collective_bytes"] == 0, (rank, cov)
         served = cov["served"]
         assert served and all(s["ce_bytes"] > 0 and s["collective_bytes"] == 0 for s in served.values()), served
+        # Each bucket is named by the gradients it carries (its call identity), not only
+        # by its node, which a rank whose graph lacks a bucket would renumber.
+        assert all("<- grad of input" in name for name in served), list(served)
         # Every call site ran once per step (graphs of one shape share a name: a multiple).
         assert all(s["calls"] and s["calls"] % STEPS == 0 for s in served.values()), served
         assert r["ref_cov"]["share"] == 0.0 and not r["ref_cov"]["served"], r["ref_cov"]

@@ -133,6 +133,7 @@ def _rank_zoo(rank, world, seed, cache, name):
     setup_compile(cache, rank)
     import torch_ce
     from torch_ce import report
+    from torch_ce.runtime import window_pools as WP
     from torch_ce.runtime import windows as W
 
     gen = torch.Generator().manual_seed(seed + 100 + rank)  # different data per rank
@@ -146,7 +147,7 @@ def _rank_zoo(rank, world, seed, cache, name):
     dtype = pd or torch.float32
     staged = [W.staged(t, dtype) for t in shards]
     expect = sum(W.align_up(t.numel() * dtype.itemsize) for t in shards)
-    used = sum(w.used for k, pool in W.pools().items() if k[1] == str(dtype).removeprefix("torch.") for w in pool.windows)
+    used = sum(w.used for k, pool in WP.pools().items() if k[1] == str(dtype).removeprefix("torch.") for w in pool.windows)
     # An eval forward after training: an inference graph of trained weights, against
     # the same graph compiled on the collective.
     tok = batches[0][0]
@@ -303,12 +304,12 @@ def test_accumulation_frozen_optimizer_in_backward(tmp_path):
 
 def _rank_hsdp(rank, world, seed, cache):
     setup_compile(cache, rank)
-    from torch_ce.runtime import windows as W
+    from torch_ce.runtime import window_pools as WP
 
     batches = _batches(seed, rank, 4)
     ref = _train("nccl", _net_builder(seed, hsdp=True), batches, rank)[0]
     ce = _train("copy_engine", _net_builder(seed, hsdp=True), batches, rank, delay=0.2)[0]
-    pools = sorted({tuple(k[0]) for k in W.pools()})
+    pools = sorted({tuple(k[0]) for k in WP.pools()})
     return ref, ce, pools
 
 

@@ -210,9 +210,9 @@ def test_inference_tensor_weights(tmp_path):
 
 
 def _window_bytes():
-    from torch_ce.runtime import windows as W
+    from torch_ce.runtime import window_pools as WP
 
-    return sum(p.reserved for p in W.pools().values()), sum(p.used for p in W.pools().values())
+    return sum(p.reserved for p in WP.pools().values()), sum(p.used for p in WP.pools().values())
 
 
 def _rank_data_assignment(rank, world, seed, root):

@@ -24,7 +24,7 @@ from .runtime.binding import BindResult, bind
 from .runtime.prefetch import drop as drop_prefetched
 from .runtime.updates import UpdateError, updating_weights
 from .runtime.versions import StaleWeightError
-from .runtime.windows import release_all
+from .runtime.window_pools import release_all
 
 
 def all_gather(shard, group=None):
@@ -37,15 +37,18 @@ def all_gather(shard, group=None):
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
-def reduce_scatter(input, group=None, op: str = "sum"):
+def reduce_scatter(input, group=None, op: str = "sum", name: str = ""):
     """``wait_tensor(magi.ce_reduce_scatter(input, op, ...))``: this rank's chunk of
     ``input`` (dim 0 cut in group-size chunks) summed (``op="avg"``: averaged) over
-    ``group``, with no collective (NOTE [copy-engine reduce-scatter])."""
+    ``group``, with no collective (NOTE [copy-engine reduce-scatter]). ``name`` is the
+    call's bucket identity: every rank must give the same call the same name, and calls of
+    different names never pair up (a mismatch is an error on every rank); unnamed calls
+    are told apart by their sizes and sequence only."""
     import torch
     import torch.distributed as dist
 
     group = group if group is not None else dist.group.WORLD
-    out = torch.ops.magi.ce_reduce_scatter(input, op, dist.get_world_size(group), group.group_name)
+    out = torch.ops.magi.ce_reduce_scatter(input, op, dist.get_world_size(group), group.group_name, name)
     return torch.ops._c10d_functional.wait_tensor(out)
 
 

@@ -14,9 +14,9 @@ from typing import Any, Iterator
 
 # Fields that change what a bind or a calibration does at run time, never the compiled
 # graph: left out of the compile-cache key.
-RUN_TIME_ONLY = ("cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "cuda_torch_fallback",
-                 "shm_prefix", "rs_workspace_cap_mib", "rs_timeout_s", "eager_gathers",
-                 "rs_native", "rs_host_flags")
+RUN_TIME_ONLY = ("cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "bind_readback",
+                 "cuda_torch_fallback", "shm_prefix", "rs_workspace_cap_mib", "rs_timeout_s", "eager_gathers",
+                 "rs_native", "rs_host_flags", "fsdp2_timeout_s")
 TRANSPORTS = ("nccl", "copy_engine")
 REDUCE_SCATTERS = ("collective", "copy_engine")
 _SHM_PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
@@ -64,6 +64,12 @@ class Config:
     # for peers that may still be compiling. A failure on a peer is seen at once.
     bind_timeout_s: float = 30.0
     bind_arrival_timeout_s: float = 600.0
+    # Before a bind's first gather, each rank reads a canary word of every peer's new
+    # windows through the gathers' own copy path; a window some rank cannot read back
+    # keeps that pool's weights of the bind on the collective, with the reason (NOTE
+    # [peer read-back at bind] in runtime/readback.py). One 8-byte read per peer and new
+    # window, two store exchanges, once per bind that opens windows.
+    bind_readback: bool = True
     # Without the C++ gather kernels, CUDA weights stay on NCCL; True gathers them by
     # per-peer copy_ instead (slower than NCCL: for debugging, not for speed).
     cuda_torch_fallback: bool = False
@@ -85,7 +91,7 @@ class Config:
     # Gradient reduce-scatters of graphs the copy_engine transport serves: "collective"
     # (the group's backend, as without torch_ce) or "copy_engine": pushes into the peers'
     # receive workspaces, flags, one reduction, no collective and no barrier (NOTE
-    # [copy-engine reduce-scatter] in runtime/reduce_scatter.py), on CUDA (the C++ library's
+    # [copy-engine reduce-scatter] in runtime/reduce_scatter/__init__.py), on CUDA (the C++ library's
     # stream flag ops) and on the host transport (x86 hosts). A push carries its call's
     # identity: ranks that run different reduce-scatters get an error naming both calls.
     reduce_scatter: str = "collective"
@@ -99,14 +105,14 @@ class Config:
     # opens a new one.
     rs_timeout_s: float = 300.0
     # CUDA reduce-scatters launched and completed by the C++ library, with one fused
-    # reduction kernel per call (NOTE [native reduce-scatter path] in csrc/ce_ops.cu), where
+    # reduction kernel per call (NOTE [native reduce-scatter path] in csrc/ce_reduce_scatter.cu), where
     # it has them; off: the Python launch and completion (verified exact on an H200 in
-    # loopback, run 62: the default).
+    # loopback: the default).
     rs_native: bool = True
     # Where a CUDA reduce-scatter's flags live: device memory (False), or host memory every
     # rank maps (True: /dev/shm, cudaHostRegister'ed), which a host store can always write,
     # so the watchdog releases a dead peer's wait even when every stream shares one
-    # hardware queue (NOTE [poison word] in csrc/ce_ops.cu). None (auto): host memory under
+    # hardware queue (NOTE [poison word] in csrc/ce_flags.cu). None (auto): host memory under
     # CUDA_DEVICE_MAX_CONNECTIONS=1, where the native path with its reduction kernel
     # serves; device memory otherwise.
     rs_host_flags: bool | None = None
@@ -115,6 +121,10 @@ class Config:
     # windows too, with the transport "copy_engine" (NOTE [eager gathers] in
     # runtime/eager.py); False: they stay on the collective (explain() counts them either way).
     eager_gathers: bool = True
+    # How long an FSDP2 training gather waits for a peer's step word (its chunk staged, or
+    # its reads of this rank's chunk done) before it raises ``StepWordTimeout`` naming the
+    # peer (NOTE [FSDP2 training: step words]); ``fsdp2.enable(timeout_s=...)`` overrides it.
+    fsdp2_timeout_s: float = 300.0
 
     def validate(self) -> "Config":
         if self.transport not in TRANSPORTS:
@@ -132,7 +142,8 @@ class Config:
         if self.reduce_scatter not in REDUCE_SCATTERS:
             raise ValueError(f"torch_ce: reduce_scatter must be one of {REDUCE_SCATTERS}, "
                              f"got {self.reduce_scatter!r}")
-        for name in ("bind_timeout_s", "bind_arrival_timeout_s", "rs_workspace_cap_mib", "rs_timeout_s"):
+        for name in ("bind_timeout_s", "bind_arrival_timeout_s", "rs_workspace_cap_mib", "rs_timeout_s",
+                     "fsdp2_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"torch_ce: {name} must be > 0, got {getattr(self, name)!r}")
         if self.rs_host_flags not in (None, True, False):

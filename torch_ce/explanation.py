@@ -23,6 +23,7 @@ import dataclasses
 
 from . import report
 from .config import config
+from .runtime import window_pools as WP
 from .runtime import windows as W
 
 
@@ -35,6 +36,7 @@ class WindowInfo:
     nbytes: int
     used: int  # bytes filled by slots (the window may be larger: pooling leaves room)
     slots: int
+    owner: str = ""  # whose own window (an FSDP2 model: NOTE [windows of one owner]); "": pooled
 
     @property
     def fill(self) -> float:
@@ -247,7 +249,8 @@ class Explanation:
                 else:
                     coll += r["bytes"]
                     by_reason[r["reason"]] += r["bytes"]
-        from .runtime import reduce_scatter as RS, rs_workspace as RW
+        from .runtime import reduce_scatter as RS
+        from .runtime.reduce_scatter import workspace as RW
 
         return dict(ce_bytes=ce, collective_bytes=coll, by_reason=dict(by_reason),
                     share=ce / (ce + coll) if ce + coll else None,
@@ -266,7 +269,18 @@ class Explanation:
             kernel_paths=dict(self.kernel_paths),
             torch=self.torch,
             fsdp2=[dataclasses.asdict(r) for r in self.fsdp2],
+            fsdp2_totals=self.fsdp2_totals(),
         )
+
+    def fsdp2_totals(self) -> dict:
+        """What the FSDP2 groups' calls moved since enable(): all-gather output and
+        reduce-scatter input bytes, on the copy engines and on the collective by reason
+        (NOTE [FSDP2 bytes as run] in torch_ce/fsdp2/report.py)."""
+        if not self.fsdp2:
+            return {}
+        from .fsdp2.report import totals
+
+        return totals(self.fsdp2)
 
     def table(self) -> str:
         out = [f"torch_ce explain (transport={self.config['transport']}, torch {self.torch})"]
@@ -348,9 +362,16 @@ class Explanation:
                           "held beside the weights)" if getattr(b, "cast_slot_bytes", 0) else ""))
             for name, why in list(b.skipped.items())[:8]:
                 out.append(f"  skipped  {name}: {why}")
+            unwatched = getattr(b, "no_version_counter", None) or []
+            if unwatched:  # NOTE [inference tensors at bind] in runtime/inference_tensors.py
+                out.append(f"  note     {len(unwatched)} weight(s) without a version counter (inference "
+                           f"tensors: {', '.join(unwatched[:8])}"
+                           + (f" and {len(unwatched) - 8} more" if len(unwatched) > 8 else "")
+                           + "): write them only inside torch_ce.updating_weights")
         out.extend(_fsdp2_lines(self.fsdp2))
         for w in self.windows:
-            out.append(f"window {w.dtype}/{w.device} group {list(w.group_ranks)} #{w.index}: "
+            out.append(f"window {w.dtype}/{w.device} group {list(w.group_ranks)} #{w.index}"
+                       + (f" ({w.owner})" if w.owner else "") + ": "
                        f"{w.slots} slot(s), {w.used:,d} / {w.nbytes:,d} B ({100 * w.fill:.0f}% full)")
         return "\n".join(out)
 
@@ -433,9 +454,10 @@ def explain(print_table: bool = False) -> Explanation:
     """What torch_ce did in this process: per graph and weight, per bind, per window."""
     slots_per = collections.Counter(id(s.window) for s in W.bound_slots())
     wins = []
-    for key, pool in W.pools().items():
+    for key, pool in WP.pools().items():
         for w in pool.windows:
-            wins.append(WindowInfo(key[0], key[1], key[2], w.index, w.nbytes, w.used, slots_per[id(w)]))
+            wins.append(WindowInfo(key[0], key[1], key[2], w.index, w.nbytes, w.used, slots_per[id(w)],
+                                   key[3] if len(key) > 3 else ""))
     import torch
 
     graphs, binds = list(report.graphs), list(report.binds)

@@ -81,7 +81,7 @@ slots] in runtime/staging.py).
                                       str group_name, str name="") -> Tensor[]
 
 A gradient reduce-scatter without a collective (NOTE [copy-engine reduce-scatter] in
-runtime/reduce_scatter.py): the arguments of ``_c10d_functional.reduce_scatter_tensor[
+runtime/reduce_scatter/__init__.py): the arguments of ``_c10d_functional.reduce_scatter_tensor[
 _coalesced]`` (``reduce_op`` "sum" or "avg", fp32 or bf16 inputs whose dim 0 splits in
 ``group_size`` chunks) and the bucket's ``name`` for errors. Output: a fresh
 ``[rows / group_size, ...]`` tensor per input, this rank's chunk summed over the group in
@@ -105,6 +105,7 @@ from .runtime import reduce_scatter as RS
 from .runtime import windows as W
 from .runtime.gather import gather_rows, gather_slot_dim, gather_slots
 from .runtime.versions import check as check_versions
+from .runtime.window_pools import on_release
 
 _FUNCTIONAL = torch.ops._c10d_functional
 
@@ -372,18 +373,18 @@ _lib.define("ce_reduce_scatter(Tensor input, str reduce_op, int group_size, str 
 _lib.define("ce_reduce_scatter_coalesced(Tensor[] inputs, str reduce_op, int group_size, "
             "str group_name, str name=\"\") -> Tensor[]")
 # The Python kernel under its own name: the C++ kernels hand it every bucket they do not
-# serve (NOTE [native gather path] in csrc/ce_ops.cu). Never traced, so no fake impl.
+# serve (NOTE [native gather path] in csrc/ce_gather.cu). Never traced, so no fake impl.
 _private = torch.library.Library("torch_ce", "DEF")
 _private.define("gather_python(Tensor[] shards, int group_size, str group_name) -> Tensor[]")
 _private.define("gather_dim_python(Tensor shard, int group_size, str group_name, int gather_dim) -> Tensor")
 # The native reduce-scatter's reduction without the CUDA kernel (a library built without
-# nvcc: NOTE [native reduce-scatter path] in csrc/ce_ops.cu calls it).
+# nvcc: NOTE [native reduce-scatter path] in csrc/ce_reduce_scatter.cu calls it).
 _private.define("rs_reduce_fallback(Tensor[] owns, Tensor(a!)[] outs, Tensor recv_half, int index, int[] offs, "
                 "int op, float factor) -> ()")
 
 _native = native.load()
-W.on_release(native.clear)
-W.on_release(RS.release)
+on_release(native.clear)
+on_release(RS.release)
 for _key in ("CPU", "CUDA"):
     _private.impl("gather_python", gather, _key)
     _private.impl("rs_reduce_fallback", RS.reduce_fallback, _key)

@@ -38,7 +38,7 @@ def main() -> None:
 
     import torch_ce
     from torch_ce.runtime import native
-    from torch_ce.runtime import reduce_scatter as RS
+    from torch_ce.runtime.reduce_scatter import launch as RS
 
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
@@ -103,7 +103,7 @@ def main() -> None:
         print(f"per rank-call us: total {per(total):.1f}  launch {per(acc['launch']):.1f} "
               f"(C++ rs_launch {per(acc['cxx']):.1f})  wait_tensor {per(acc['wait']):.1f}  "
               f"GPU's own {_gpu_busy_us(call, 50, w)[0]:.1f}  exact {exact}")
-        # the C++ pieces (csrc/ce_ops.cu rs_timing), a second timed loop with the probe on
+        # the C++ pieces (csrc/ce_reduce_scatter.cu rs_timing), a second timed loop with the probe on
         native.rs_timing(1)
         t = time.perf_counter()
         for _ in range(a.iters):

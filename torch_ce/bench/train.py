@@ -99,9 +99,9 @@ def _staging_statement(model, dtype) -> int:
 
 
 def _windows_bytes() -> tuple[int, int]:
-    from ..runtime import windows as W
+    from ..runtime import window_pools as WP
 
-    ws = [w for pool in W.pools().values() for w in pool.windows]
+    ws = [w for pool in WP.pools().values() for w in pool.windows]
     return sum(w.nbytes for w in ws), sum(w.used for w in ws)
 
 

@@ -23,7 +23,7 @@ import torch
 from ..runtime import versions
 from ..runtime.gather import peer_order
 from . import signals
-from .chunks import Bound
+from .chunks import Bound, stale_error
 from .groups import Group
 
 
@@ -67,6 +67,12 @@ class CopyEngineAllGather:
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
+    def __repr__(self) -> str:
+        slot = self.bound.slot
+        return (f"{type(self).__name__}(group={self.group.name!r}, mode={self.group.mode!r}, "
+                f"ranks={list(self.ranks)}, window={slot.window.index} @ {slot.offset}, "
+                f"{slot.nbytes} B/rank)")
+
     def _check(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group) -> None:
         slot = self.bound.slot
         if self.poison:
@@ -92,7 +98,10 @@ class CopyEngineAllGather:
         self._check(output_tensor, input_tensor, group)
         out = output_tensor.view(self.world, -1)
         if self.group.mode == "static":
-            versions.check(self.bound.slot)
+            b = self.bound
+            versions.check(b.slot)
+            if b._pairs and not b.views():  # NOTE [FSDP2 parameters that move] in chunks.py
+                raise stale_error(self.group, b)
             self._read(out)
         else:
             self._staged(out, input_tensor)
@@ -133,15 +142,16 @@ class CopyEngineAllGather:
         k = self.calls + 1
         words = self.bound.words.peer_views
         mine = words[self.rank]
+        me, ranks = self.ranks[self.rank], self.ranks
         try:
             for p in self.peers:  # 1. no peer still reads call k-1's bytes
                 signals.wait_at_least(words[p], signals.DONE, k - 1, self.timeout_s,
-                                      self._what(p, k - 1, "leave"))
+                                      self._what(p, k - 1, "leave"), ranks, me)
             self.bound.buffer.copy_(input_tensor)  # 2. this call's chunk
             signals.post(mine, signals.READY, k)
             for p in self.peers:  # 3. each peer's chunk of call k
                 signals.wait_at_least(words[p], signals.READY, k, self.timeout_s,
-                                      self._what(p, k, "stage"))
+                                      self._what(p, k, "stage"), ranks, me)
                 self._read(out, [p])
             signals.post(mine, signals.DONE, k)  # 4.
         except BaseException as e:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..config import config
 from ..runtime import native
 from ..runtime.eligibility import shard_refusal
+from .report import Counts
 
 
 @dataclasses.dataclass(eq=False)
@@ -46,10 +47,22 @@ class Group:
     comm: Any = None  # the installed all-gather (fsdp2/comm.py)
     saved_comm: Any = None  # FSDP2's all-gather before enable(), put back by disable()
     saved_rs_comm: Any = None
+    # What its calls moved since enable() (NOTE [FSDP2 bytes as run] in fsdp2/report.py):
+    # FSDP2's own all-gathers and reduce-scatters, counted; the copy-engine
+    # reduce-scatter's accounting when enable() installed it.
+    ag_counts: Counts = dataclasses.field(default_factory=Counts)
+    rs_counts: Counts = dataclasses.field(default_factory=Counts)
+    rs_base: tuple | None = None
 
     @property
     def fsdp_params(self) -> list:
-        return list(self.param_group.fsdp_params)
+        return list(self.param_group.fsdp_params) if self.param_group is not None else []
+
+    def detached(self) -> "Group":
+        """A copy holding no FSDP2 object (a disabled model's entry must not keep the model
+        alive: NOTE [what an enabled model holds] in fsdp2/__init__.py)."""
+        return dataclasses.replace(self, module=None, param_group=None, comm=None,
+                                   saved_comm=None, saved_rs_comm=None)
 
     @property
     def world(self) -> int:

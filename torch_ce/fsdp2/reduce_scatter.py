@@ -5,29 +5,32 @@ FSDP2 (``fully_shard``) reduce-scatters one flat bucket per param group and back
 back to back in rank j's n, padded) into ``reduce_output`` of n, on its reduce-scatter
 stream, with ``op`` AVG, SUM or ``PREMUL_SUM(factor)`` (``set_gradient_divide_factor``;
 torchtitan's 1.0 gives ``PREMUL_SUM(1.0)``). That is exactly one copy-engine
-reduce-scatter call (NOTE [copy-engine reduce-scatter] in runtime/reduce_scatter.py) of
-one input, its result written into FSDP2's own output, complete in stream order when the
-hook returns: FSDP2 records its event on that stream next, and HSDP's all-reduce across
-replicas runs after it on NCCL as before.
+reduce-scatter call (NOTE [copy-engine reduce-scatter] in
+runtime/reduce_scatter/__init__.py) of one input, its result written into FSDP2's own
+output, complete in stream order when the hook returns: FSDP2 records its event on that
+stream next, and HSDP's all-reduce across replicas runs after it on NCCL as before.
 
 Every rank runs its groups' backward reduce-scatters in the same order (autograd's), so
 the protocol's calls pair up; a rank whose order differs gets the protocol's error naming
 both calls, never a wrong sum. What the protocol does not take (another op, ``async_op``,
 a group of one, a refused transport) runs FSDP2's default collective, with the reason in
-``served`` (explain()).
+``served`` (explain()), as an ``RsReason``.
 """
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
 
+from ..rs_reasons import RsReason
 from ..runtime import reduce_scatter as RS
 
 log = logging.getLogger("torch_ce")
 
-_INSTALLED: dict[int, object] = {}  # id(module) -> its comm (disable() removes it)
+# module -> its comm (uninstall() removes it; weakly keyed: a dropped model leaves none)
+_INSTALLED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def op_text(op, divide_factor: float | None = None) -> str | None:
@@ -57,26 +60,24 @@ def _divide_factor(module) -> float | None:
         return None
 
 
-_COMM_CLASS: list = []  # the comm class, made once (FSDP2's ReduceScatter base is imported lazily)
+# FSDP2's comm interface. This module is imported only where FSDP2 is used (the first
+# enable(reduce_scatter="copy_engine")), so its import costs nothing elsewhere.
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import ReduceScatter  # noqa: E402
 
 
-def _comm_class():
-    if not _COMM_CLASS:
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import ReduceScatter
-
-        _COMM_CLASS.append(type("CopyEngineReduceScatter", (_Comm, ReduceScatter), {}))
-    return _COMM_CLASS[0]
-
-
-class _Comm:
+class CopyEngineReduceScatter(ReduceScatter):
     """The ``ReduceScatter`` FSDP2 calls: ``allocate`` as its default, ``__call__`` the
-    protocol into ``output_tensor``."""
+    protocol into ``output_tensor``. It holds its module weakly (the module's FSDP2 param
+    group holds the comm)."""
 
     def __init__(self, name: str, module=None):
-        import weakref
-
         self.name = name
         self._module = weakref.ref(module) if module is not None else (lambda: None)
+
+    def __repr__(self) -> str:
+        module = self._module()
+        of = f", module={type(module).__name__}" if module is not None else ""
+        return f"{type(self).__name__}(name={self.name!r}{of})"
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -86,15 +87,15 @@ class _Comm:
         module = self._module()
         text = op_text(op, _divide_factor(module) if module is not None else None)
         nbytes = input_tensor.numel() * input_tensor.element_size()
-        why = ""
+        why = None
         if text is None:
-            why = f"FSDP2 asked for reduce op {op!r}, which the protocol does not take"
+            why = RsReason.FSDP2_OP.says(op=op)
         elif async_op:
-            why = "FSDP2 asked for an async_op reduce-scatter (a Work to wait on)"
+            why = RsReason.FSDP2_ASYNC.says()
         elif input_tensor.dtype not in RS.DTYPES:
-            why = f"its gradients are {input_tensor.dtype} (the protocol takes fp32 and bf16)"
-        if why:
-            RS._note(self.name, nbytes, False, why)
+            why = RsReason.FSDP2_DTYPE.says(dtype=input_tensor.dtype)
+        if why is not None:
+            RS.note(self.name, nbytes, why)
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
                                               async_op=async_op)
         RS.reduce_scatter([input_tensor], text, group.size(), group.group_name, self.name,
@@ -110,7 +111,7 @@ def install(module, group: dist.ProcessGroup | None = None, reason_sink=None,
     one param group). ``group`` is FSDP2's own (it passes it at every call)."""
     del group
     name = name or type(module).__name__
-    comm = _comm_class()(f"fsdp2 {name}", module)
+    comm = CopyEngineReduceScatter(f"fsdp2 {name}", module)
     try:
         module.set_custom_reduce_scatter(comm)
     except (ValueError, AttributeError, AssertionError) as e:
@@ -119,13 +120,13 @@ def install(module, group: dist.ProcessGroup | None = None, reason_sink=None,
         if reason_sink is not None:
             reason_sink(why)
         return False
-    _INSTALLED[id(module)] = comm
+    _INSTALLED[module] = comm
     return True
 
 
 def uninstall(module) -> None:
     """Put FSDP2's default reduce-scatter back on ``module``."""
-    if _INSTALLED.pop(id(module), None) is None:
+    if _INSTALLED.pop(module, None) is None:
         return
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 

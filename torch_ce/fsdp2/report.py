@@ -5,11 +5,28 @@ A row holds the group's gathered bytes per all-gather (its chunk x group size, a
 how: in place, a cast slot, staged for training) or why FSDP2 keeps its own, the window
 and offset of its chunk, and what its calls moved in this process. ``coverage`` is the
 share of gathered bytes per step on the copy engines (each group counted once: every
-group is gathered at least once per forward).
+group is gathered at least once per forward). ``totals`` is what the calls moved (NOTE
+[FSDP2 bytes as run]).
+
+# NOTE [FSDP2 bytes as run]
+FSDP2 gathers a group more than once per step: in the forward, again in the backward
+(``reshard_after_forward``), and ahead of time (its prefetches), and it reduce-scatters
+each group's gradients once per backward. So besides the static rows (each group's
+gathered bytes once), every group of an enabled model counts what its calls moved, from
+``enable()`` on: the all-gathers torch_ce serves (``comm.served``: each call's output
+bytes), FSDP2's own all-gathers of a group torch_ce does not serve (a pass-through around
+FSDP2's comm, or the user's, counts them: ``CountingComm``), and the reduce-scatters'
+input bytes (the copy-engine protocol's own accounting, ``runtime.reduce_scatter.served``,
+from enable() on; FSDP2's collective counted like its all-gathers). ``totals(rows)`` sums
+them, on the copy engines and on the collective by reason; a step's bytes are the
+difference across it. A disabled model's rows keep what was counted until ``disable``.
 """
 from __future__ import annotations
 
 import dataclasses
+import sys
+
+import torch
 
 
 @dataclasses.dataclass
@@ -27,6 +44,59 @@ class GroupRow:
     calls: int = 0  # all-gathers served so far in this process
     served_bytes: int = 0
     reduce_scatter: str = ""  # "collective", "copy engine", or why not
+    # NOTE [FSDP2 bytes as run]: FSDP2's own all-gathers of the group since enable() (its
+    # output bytes), and its reduce-scatters (input bytes) on the copy engines and not.
+    collective_calls: int = 0
+    collective_bytes: int = 0
+    rs_calls: int = 0
+    rs_ce_bytes: int = 0
+    rs_collective_bytes: int = 0
+    rs_collective_reason: str = ""
+
+
+@dataclasses.dataclass
+class Counts:
+    """What a group's calls of a comm moved (NOTE [FSDP2 bytes as run])."""
+
+    calls: int = 0
+    bytes: int = 0
+
+
+class CountingComm:
+    """FSDP2's own comm of a group (or the user's), counted on its way through (NOTE
+    [FSDP2 bytes as run]): ``which`` "all_gather" counts each call's output bytes,
+    "reduce_scatter" its input bytes. ``disable()`` puts ``inner`` back."""
+
+    def __init__(self, inner, counts: Counts, which: str):
+        self.inner, self.counts, self.which = inner, counts, which
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, *args, **kwargs):
+        ag = self.which == "all_gather"
+        t = kwargs.get("output_tensor" if ag else "input_tensor")
+        if t is None:
+            t = args[0 if ag else 1]
+        self.counts.calls += 1
+        self.counts.bytes += t.numel() * t.element_size()
+        return self.inner(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.which}, {self.inner!r})"
+
+
+def _rs_served(group):
+    """The copy-engine reduce-scatter's accounting of ``group`` since enable(): (calls,
+    ce bytes, collective bytes, reason), or None where it is not installed."""
+    base = getattr(group, "rs_base", None)
+    RS = sys.modules.get("torch_ce.runtime.reduce_scatter")
+    if base is None or RS is None:
+        return None
+    s = RS.served.get(f"fsdp2 {group.name}")
+    if s is None:
+        return (0, 0, 0, "")
+    return (s.calls - base[0], s.ce_bytes - base[1], s.collective_bytes - base[2], s.reason)
 
 
 def row(group, bound, comm, disabled: bool = False) -> GroupRow:
@@ -40,7 +110,39 @@ def row(group, bound, comm, disabled: bool = False) -> GroupRow:
                  f"cast slot ({dt})" if group.cast else "in place")
     if comm is not None:
         r.calls, r.served_bytes = comm.served.calls, comm.served.bytes
+    ag, rs = getattr(group, "ag_counts", None), getattr(group, "rs_counts", None)
+    if ag is not None:
+        r.collective_calls, r.collective_bytes = ag.calls, ag.bytes
+        if not r.gathered_bytes and ag.calls:  # refused before its chunk was sized: as FSDP2 ran it
+            r.gathered_bytes = ag.bytes // ag.calls
+    served = _rs_served(group)
+    if served is not None:
+        r.rs_calls, r.rs_ce_bytes, r.rs_collective_bytes, r.rs_collective_reason = served
+    elif rs is not None:
+        r.rs_calls, r.rs_collective_bytes = rs.calls, rs.bytes
     return r
+
+
+def totals(rows: list[GroupRow]) -> dict:
+    """What the calls of these groups moved since enable() (NOTE [FSDP2 bytes as run]):
+    all-gather output bytes and reduce-scatter input bytes, on the copy engines and on
+    the collective by reason."""
+    ag_by: dict = {}
+    rs_by: dict = {}
+    for r in rows:
+        if r.collective_bytes:
+            why = r.reason or "fsdp2.disable()"
+            ag_by[why] = ag_by.get(why, 0) + r.collective_bytes
+        if r.rs_collective_bytes:
+            why = (r.rs_collective_reason or (r.reduce_scatter if r.reduce_scatter not in ("", "copy engine")
+                                              else "FSDP2's reduce-scatter (enable(reduce_scatter='collective'))"))
+            rs_by[why] = rs_by.get(why, 0) + r.rs_collective_bytes
+    return dict(
+        all_gather=dict(calls=sum(r.calls + r.collective_calls for r in rows),
+                        ce_bytes=sum(r.served_bytes for r in rows),
+                        collective_bytes=sum(ag_by.values()), by_reason=ag_by),
+        reduce_scatter=dict(calls=sum(r.rs_calls for r in rows), ce_bytes=sum(r.rs_ce_bytes for r in rows),
+                            collective_bytes=sum(rs_by.values()), by_reason=rs_by))
 
 
 def coverage(rows: list[GroupRow]) -> dict:
@@ -70,6 +172,14 @@ def lines(rows: list[GroupRow]) -> list[str]:
             out.append(f"{head}  {r.reason}{rs}")
         else:
             out.append(f"{head}  {r.how}, window {r.window} @ {r.offset}, {r.calls} call(s){rs}")
+    tot = totals(rows)
+    for what, t in (("all-gather", tot["all_gather"]), ("reduce-scatter", tot["reduce_scatter"])):
+        if t["calls"]:
+            out.append(f"fsdp2 as run: {t['calls']} {what}(s) since enable(), "
+                       f"{t['ce_bytes'] + t['collective_bytes']:,d} B, {t['ce_bytes']:,d} B on the copy "
+                       "engines" + "".join(
+                           f"; {nb:,d} B {why}" for why, nb in
+                           sorted(t["by_reason"].items(), key=lambda kv: -kv[1])))
     cov = coverage(rows)
     if cov["share"] is None:
         out.append("fsdp2 coverage: no gathered bytes")

@@ -28,10 +28,13 @@ Call k of the group, on every rank:
 - No barrier: a rank waits only for the word that guards the bytes it touches next, each
   word has one writer, and nothing waits on a rank that is ahead. A late rank delays its
   peers by exactly what they need from it (its chunk, or its leaving theirs).
-- No hang: every wait is bounded (``timeout_s``); a peer that never arrives is a
-  ``StepWordTimeout`` naming the group, the peer, the call and the word, and the group is
-  poisoned on this rank (each later call raises the same). FSDP2's other collectives (its
-  reduce-scatters) keep their own timeouts.
+- No hang: every wait is the group session's (NOTE [sessions: one abort per group
+  generation] in runtime/session.py): bounded by ``fsdp2_timeout_s`` (or
+  ``enable(timeout_s=...)``); a peer that never arrives is a ``StepWordTimeout`` naming
+  the group, the peer, the call and the word, posted as the generation's abort, and a
+  failure of any other protocol of the group's generation (a copy-engine reduce-scatter
+  of the same backward, an update round) ends the wait as well. The group is then
+  poisoned on this rank (each later call raises the same).
 Cost per call and group: one local copy of the chunk, two word stores, 2 (W-1) word
 loads (a wait that is already satisfied is one load). The signals live in host memory, so
 this is the host transport's protocol only: on CUDA a training group keeps FSDP2's own
@@ -40,15 +43,17 @@ all-gather (``unavailable``) until the stream-flag version exists.
 from __future__ import annotations
 
 import platform
-import time
 
 import torch
+
+from ..runtime import session as S
+from ..runtime.session import PeerError
 
 READY, DONE = 0, 1
 _POLL_S = (0.0, 0.02)  # the first and the longest sleep between two loads
 
 
-class StepWordTimeout(RuntimeError):
+class StepWordTimeout(PeerError):
     """A peer did not reach a training gather's step word within the timeout."""
 
 
@@ -64,21 +69,24 @@ def unavailable(device: torch.device) -> str:
     return ""
 
 
-def wait_at_least(words: torch.Tensor, which: int, value: int, timeout_s: float, what: str) -> None:
-    """Wait until ``words[which] >= value`` (a peer's word, read from its window)."""
+def wait_at_least(words: torch.Tensor, which: int, value: int, timeout_s: float, what: str,
+                  ranks: tuple, rank: int) -> None:
+    """Wait until ``words[which] >= value`` (a peer's word, read from its window), through
+    the group's live session (NOTE [sessions: one abort per group generation]): bounded by
+    ``timeout_s``, ended by any failure of its generation."""
     if int(words[which]) >= value:
         return
-    deadline = time.monotonic() + timeout_s
-    sleep = _POLL_S[0]
-    while int(words[which]) < value:
-        if time.monotonic() > deadline:
-            name = "ready" if which == READY else "done"
-            raise StepWordTimeout(
-                f"torch_ce.fsdp2: {what}: its '{name}' word stayed at {int(words[which])}, "
+
+    def late() -> str:
+        name = "ready" if which == READY else "done"
+        return (f"torch_ce.fsdp2: {what}: its '{name}' word stayed at {int(words[which])}, "
                 f"below {value}, for {timeout_s:g} s (the peer crashed, hangs, or runs other "
-                "FSDP2 gathers than this rank; fsdp2.enable(timeout_s=...) sets the bound)")
-        time.sleep(sleep)
-        sleep = min(max(sleep * 2, 5e-5), _POLL_S[1])
+                "FSDP2 gathers than this rank; fsdp2_timeout_s, or fsdp2.enable(timeout_s=...), "
+                "sets the bound)")
+
+    S.current(ranks).wait(lambda: int(words[which]) >= value, timeout_s=timeout_s,
+                          what=f"torch_ce.fsdp2: {what}", error=StepWordTimeout,
+                          protocol="step_words", rank=rank, on_timeout=late, poll=_POLL_S)
 
 
 def post(words: torch.Tensor, which: int, value: int) -> None:

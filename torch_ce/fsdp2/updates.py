@@ -14,6 +14,9 @@ the last fence) refreshes both here:
   ``load_state_dict`` pre-hook reshards first, ``copy_`` does not). torch_ce reshards
   every FSDP2 module the update covers, so the next forward gathers the new values, on
   every path.
+Parameters FSDP2 was given new tensors for inside the block (``load_state_dict(assign=
+True)``, ``to_empty()``, ``.to()``) go back into the slot at the exit (NOTE [FSDP2
+parameters that move] in chunks.py).
 Outside the protocol a write that moves a watched counter (``copy_`` into ``to_local()``,
 into ``model.state_dict()``'s entries, ``load_state_dict``) is a ``StaleWeightError`` at
 the writing rank's next forward (a forward pre-hook checks, whether or not FSDP2 gathers
@@ -43,8 +46,15 @@ def refresh_after_update(groups, bounds, wanted) -> None:
             if not _covered(g, wanted):
                 continue
             b = bounds.get(id(g))
-            if b is not None and g.mode == "static" and g.cast:
-                chunks.refresh(g, b)
+            if b is not None and g.mode == "static":
+                # Parameters given new tensors inside the block go back into the slot (NOTE
+                # [FSDP2 parameters that move] in chunks.py); what cannot poisons the group
+                # (an exception here would leave the peers in the last fence).
+                why = chunks.rebind(g, b)
+                if why and g.comm is not None:
+                    g.comm.poison = why
+                elif g.cast:
+                    chunks.refresh(g, b)
             if id(g.param_group) not in resharded:
                 resharded.add(id(g.param_group))
                 g.param_group.reshard()

@@ -382,7 +382,7 @@ def _output_reason(wait: fx.Node | None, padded: bool = False) -> Refusal | None
 # write that slice directly (a strided 2-D copy per peer), so the gather and the re-split
 # become one ``magi.ce_all_gather_dim(%w, W, g, d)`` whose output is the weight in its
 # final layout (passes/rewrite.py ``rewrite_dim``; runtime/gather.py ``copy_peers_dim``;
-# the CUDA strided reads in csrc/ce_ops.cu). Only this exact, even pattern qualifies:
+# the CUDA strided reads in csrc/ce_gather.cu). Only this exact, even pattern qualifies:
 # a re-split of uneven size (split_with_sizes), of other blocks, in another order, or with
 # any other reader of the blocks stays refused.
 

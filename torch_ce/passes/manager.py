@@ -86,7 +86,8 @@ def run_passes(graph: fx.Graph, is_inference: bool | None = None, *,
     # NOTE [every gather is counted] in census.py: bucketed forms are counted, not judged.
     seeds = [s for s in gate_mod.gate(graph, config, is_inference) if census.judged_by_gate(s.gather)]
     others = census.bucketed_gathers(graph)
-    # NOTE [copy-engine reduce-scatter] in runtime/reduce_scatter.py: the gradients' own pass.
+    # NOTE [copy-engine reduce-scatter] in runtime/reduce_scatter/__init__.py: the
+    # gradients' own pass.
     scatters = rs_mod.rewrite(graph, config) if scatters else []
     if not seeds:
         rec = record_unserved(graph, census.BUCKETED, others=others) if others else None

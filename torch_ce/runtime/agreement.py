@@ -12,78 +12,82 @@ layout (``windows.place``) and the ranks compare it before any window opens.
 
 # NOTE [bind rounds go through the store]
 The exchanges use the default process group's key-value store, not collectives:
-- bounded: every wait has a deadline (``bind_timeout_s``; ``bind_arrival_timeout_s`` for
-  the first exchange, which also waits for peers still compiling), and a rank that fails
-  posts an abort key that its peers see at their next poll, so every rank raises, naming
-  the failing rank, instead of one rank waiting forever in a collective;
+- bounded: every wait is the group session's (NOTE [sessions: one abort per group
+  generation] in runtime/session.py): a deadline (``bind_timeout_s``;
+  ``bind_arrival_timeout_s`` for the first exchange, which also waits for peers still
+  compiling), and the generation's abort, which a rank that fails posts and its peers see
+  at their next poll, so every rank raises, naming the failing rank, instead of one rank
+  waiting forever in a collective; a failure of any other protocol of the generation (a
+  reduce-scatter, FSDP2's step words) ends a round's wait the same way;
 - safe: a peer's bytes are parsed as JSON, never unpickled (``all_gather_object`` would
   unpickle them, and needs numpy, which the CPU torch wheel does not bring);
 - off the GPU: no tensor is allocated, so the bind leaves nothing in a CUDA graph's pool,
   and an NCCL group's stream is not involved.
-Keys are ``torch_ce/bind/<group ranks>/<round>/<phase>/<rank>``; a round number counts
-this group's binds, which every member runs in the same order. The store holds at most
-one key per rank and kind of round (and group) between rounds: a rank deletes its key of
-a phase once every peer has posted the next one (each peer read it before posting), and
-its last phase's key (or its abort key) at the next round's first completed exchange, so
-an RL loop that updates its weights every step does not grow the store server.
+Keys are ``torch_ce/<group ranks>/g<generation>/<what>/<round>/<phase>/<rank>``; a round
+number counts this group's rounds of one kind in the generation, which every member runs
+in the same order. The store holds at most one key per rank and kind of round (and group)
+between rounds: a rank deletes its key of a phase once every peer has posted the next one
+(each peer read it before posting), and its last phase's key at the next round's first
+completed exchange, so an RL loop that updates its weights every step does not grow the
+store server.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from typing import Any
 
+from . import session as S
+from .session import PeerError
 
-_POLL_S = (0.0005, 0.05)  # first and longest sleep between polls
-
-_rounds: dict[tuple, int] = {}  # (store id, group ranks, what) -> rounds run
-_left: dict[tuple, list[str]] = {}  # the same key -> this rank's keys a finished round left
+_left: dict[tuple, list[str]] = {}  # (store id, group ranks, what) -> this rank's keys a finished round left
 
 
-class BindError(RuntimeError):
+class BindError(PeerError):
     """A bind failed on some rank; raised on every rank of the group."""
 
 
-def _store():
-    from torch.distributed import distributed_c10d as c10d
-
-    return c10d._get_default_store()
+_store = S._store
 
 
 class Round:
-    """One bind of one group: named exchanges of bytes between its ranks.
+    """One round of one group: named exchanges of bytes between its ranks, in the group's
+    live session.
 
     ``exchange(phase, payload)`` posts this rank's payload and returns every member's,
-    by global rank. ``abort(message)`` makes every member's current or next exchange raise
-    ``BindError`` with ``message``.
+    by global rank. ``abort(message)`` ends the session's generation (every member's
+    current or next exchange, and every other wait of the generation, raises).
     """
 
     def __init__(self, group_ranks: tuple, rank: int, timeout_s: float, arrival_timeout_s: float,
                  what: str = "bind", error: type = BindError, timeout_names=("bind_arrival_timeout_s", "bind_timeout_s")):
-        self.store = _store()
+        self.session, aborted = S.opening(group_ranks, what)
+        self.store = self.session.store
         self.ranks = group_ranks
         self.rank = rank  # this process's global rank
         # ``what`` names the rounds (a bind, or runtime/updates.py's "update"), each kind
         # counted on its own: every member runs each kind's rounds in the same order.
         self.what, self.error, self.timeout_names = what, error, timeout_names
-        self.kind = key = (id(self.store), group_ranks, what)
-        _rounds[key] = n = _rounds.get(key, 0) + 1
-        self.prefix = f"torch_ce/{what}/{'-'.join(map(str, group_ranks))}/{n}"
+        self.kind = (id(self.store), group_ranks, what)
+        self.prefix = self.session.next_round(what)
         self.timeout_s = timeout_s
         self.arrival_timeout_s = arrival_timeout_s
         self.phases = 0
+        if aborted is not None:  # a peer failed the generation this rank was still in
+            raise error(self._on_abort(aborted))
+
+    @property
+    def number(self) -> int:
+        """This round's number: unique for its group and kind in the job."""
+        return int(self.prefix.rsplit("/", 1)[1])
 
     def _key(self, phase: str, rank: int) -> str:
         return f"{self.prefix}/{phase}/{rank}"
 
     def abort(self, message: str) -> None:
-        """Tell every member this bind failed here (best effort: never raises)."""
-        try:
-            self.store.set(self._key("abort", self.rank), message.encode())
-        except Exception:  # noqa: BLE001 (the store may be gone with the job)
-            return
-        _left.setdefault(self.kind, []).append(self._key("abort", self.rank))
+        """Tell every member this round failed here (best effort: never raises)."""
+        self.session.bury(self.prefix)
+        self.session.fail(self.rank, self.what, message)
 
     def _delete(self, keys: list[str]) -> None:
         for k in keys:
@@ -92,12 +96,10 @@ class Round:
             except Exception:  # noqa: BLE001 (a store without delete: keys stay, as before)
                 pass
 
-    def _aborted(self) -> tuple[int, str] | None:
-        for r in self.ranks:
-            k = self._key("abort", r)
-            if self.store.check([k]):
-                return r, self.store.get(k).decode(errors="replace")
-        return None
+    def _on_abort(self, rec: dict) -> str:
+        who = rec["rank"] if rec["rank"] >= 0 else "?"
+        where = "" if rec["protocol"] == self.what else f" (in its {S._protocol_name(rec['protocol'])})"
+        return f"torch_ce: {self.what} failed on rank {who}{where}: {rec['message']}"
 
     def exchange(self, phase: str, payload: Any) -> dict[int, Any]:
         """Post ``payload`` (JSON-able) and return every member's, by global rank."""
@@ -105,32 +107,33 @@ class Round:
         timeout = self.arrival_timeout_s if self.phases == 1 else self.timeout_s
         self.store.set(self._key(phase, self.rank), json.dumps(payload).encode())
         _left.setdefault(self.kind, []).append(self._key(phase, self.rank))
-        waiting = [r for r in self.ranks if r != self.rank]
         got = {self.rank: payload}
-        deadline = time.monotonic() + timeout
-        sleep = _POLL_S[0]
-        while waiting:
+        waiting = [r for r in self.ranks if r != self.rank]
+
+        def arrived() -> bool:
+            nonlocal waiting
             waiting = [r for r in waiting if not self.store.check([self._key(phase, r)])]
-            for r in self.ranks:
-                if r not in got and r not in waiting:
-                    got[r] = json.loads(self.store.get(self._key(phase, r)).decode())
-            if not waiting:
-                break
-            failed = self._aborted()
-            if failed is not None:
-                raise self.error(f"torch_ce: {self.what} failed on rank {failed[0]}: {failed[1]}")
-            if time.monotonic() > deadline:
-                what = self.timeout_names[0 if self.phases == 1 else 1]
-                msg = (f"torch_ce: rank(s) {waiting} of group {list(self.ranks)} did not reach "
-                       f"the {self.what}'s '{phase}' step within {timeout:g} s ({what}; a rank that "
-                       "crashed, hangs, or runs other graphs than its peers?)")
-                self.abort(f"rank {self.rank} timed out: {msg}")
-                raise self.error(msg)
-            time.sleep(sleep)
-            sleep = min(sleep * 2, _POLL_S[1])
-        failed = self._aborted()
-        if failed is not None:
-            raise self.error(f"torch_ce: {self.what} failed on rank {failed[0]}: {failed[1]}")
+            return not waiting
+
+        def late() -> str:
+            name = self.timeout_names[0 if self.phases == 1 else 1]
+            return (f"torch_ce: rank(s) {waiting} of group {list(self.ranks)} did not reach "
+                    f"the {self.what}'s '{phase}' step within {timeout:g} s ({name}; a rank that "
+                    "crashed, hangs, or runs other graphs than its peers?)")
+
+        try:
+            self.session.wait(arrived, timeout_s=timeout, what=f"{self.what} '{phase}'", error=self.error,
+                              protocol=self.what, rank=self.rank, on_timeout=late, abort_first=True,
+                              on_abort=self._on_abort)
+            rec = self.session.aborted()  # every peer arrived, but one may have given up since
+            if rec is not None:
+                raise self.error(self._on_abort(rec))
+        except self.error:
+            self.session.bury(self.prefix)
+            raise
+        for r in self.ranks:
+            if r not in got:
+                got[r] = json.loads(self.store.get(self._key(phase, r)).decode())
         # Every peer posted this phase, so it read every earlier key of this rank's (this
         # round's earlier phases, the last round's): they go (module NOTE).
         left = _left.get(self.kind, [])

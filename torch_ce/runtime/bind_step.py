@@ -17,6 +17,7 @@ import torch
 
 from .. import report
 from . import windows as W
+from .window_pools import on_release
 
 log = logging.getLogger("torch_ce")
 
@@ -25,7 +26,7 @@ log = logging.getLogger("torch_ce")
 # recorded when that address is a window slot: unique while the windows live (a freed
 # ordinary tensor's address can be reused by the next model's weight).
 _done: set = set()
-W.on_release(_done.clear)
+on_release(_done.clear)
 
 
 def run_bind_step(shards, group_sizes, group_names, names, reasons=None, rows=()) -> None:

@@ -6,7 +6,8 @@ exchanges of one ``agreement.Round`` (NOTE [bind rounds go through the store]):
   1. agree    every rank's descriptors; refused or disputed candidates become
               ``Fallback`` (NOTE [agreement before anything moves] in agreement.py)
   2. layout   ``windows.place`` per pool; the ranks compare pool states and layouts
-  3. open     new windows (transport-specific; collective over the group)
+  3. open     new windows (transport-specific; collective over the group), and read
+              each back from every rank (NOTE [peer read-back at bind] in readback.py)
   4. move     each shard is copied into its slot and re-pointed there in place
               (``t.data = slot``: the parameter views the window, its old storage is
               freed, so no weight exists twice)
@@ -34,9 +35,13 @@ import torch.distributed as dist
 
 from ..config import config
 from . import native, versions
+from . import window_pools as WP
 from . import windows as W
 from .agreement import BindError, Descriptor, Round, agree, descriptor, refuse_split_staging
 from .eligibility import Reason, Refusal, refusal, shard_refusal
+from .inference_tensors import alias, has_version_counter, warn_unwatched
+from .readback import read_back
+from .transports import transport
 
 log = logging.getLogger("torch_ce")
 
@@ -58,6 +63,14 @@ class Candidate:
     # Tensors wrapping ``tensor`` whose version counters a write moves (the DTensor
     # parameter): NOTE [the version net] in versions.py. Empty: found at bind.
     owners: list = dataclasses.field(default_factory=list)
+    # The weights this candidate holds that no version counter watches (NOTE [inference
+    # tensors at bind] in inference_tensors.py), by name: None: ``[name]`` when ``tensor``
+    # itself has no counter (an in-place or cast slot), else none. A caller whose slot
+    # holds other weights (an FSDP2 group's chunk) names them here.
+    unwatched: list | None = None
+    # Set when the shard moves: it had no version counter then (an inference tensor), and
+    # keeps none in its slot (``inference_tensors.alias``).
+    inference: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -88,6 +101,9 @@ class BindResult:
     # Bytes of the cast slots this bind made (inference graphs' param_dtype copies of fp32
     # shards, held beside the weights: NOTE [cast slots] in staging.py).
     cast_slot_bytes: int = 0
+    # Weights this bind bound that no version counter watches (inference tensors), by name:
+    # written only inside ``torch_ce.updating_weights`` (NOTE [inference tensors at bind]).
+    no_version_counter: list[str] = dataclasses.field(default_factory=list)
 
     def __repr__(self) -> str:
         return (
@@ -175,16 +191,6 @@ def candidate_from_param(name: str, p: torch.Tensor, group, min_shard_bytes: int
 # ---------------------------------------------------------------------------------------
 
 
-def _transport(device: torch.device):
-    if device.type == "cuda":
-        from . import cuda
-
-        return cuda
-    from . import host
-
-    return host
-
-
 # NOTE [empty shards]
 # A weight with fewer rows than ranks leaves some ranks an empty local shard. The bind step
 # decides "bind now?" by asking whether every shard it lists is resolved (bound, or marked
@@ -264,6 +270,9 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
             units.setdefault(ranks, (pg, []))[1].append(c)
     cuda = [c.tensor.device for _, ms in units.values() for c in ms
             if c.tensor is not None and c.tensor.is_cuda]
+    # Before anything moves: which weights no version counter watches (NOTE [inference
+    # tensors at bind]).
+    unwatched = {c.name: _unwatched(c) for _, ms in units.values() for c in ms}
 
     def bind_units():
         for ranks in sorted(units):
@@ -274,11 +283,23 @@ def bind_candidates(cands: list[Candidate], agree_group=None) -> BindResult:
         _off_the_graph_pool(bind_units, cuda[0])
     else:
         bind_units()
+    res.no_version_counter = [n for c in res.bound for n in unwatched.get(c, ())]
+    warn_unwatched(res.no_version_counter)
     if res.bound or res.skipped:
         log.info("torch_ce.bind: %s", res)
     for name, why in res.skipped.items():
         log.debug("torch_ce.bind: %s stays on the collective backend: %s", name, why)
     return res
+
+
+def _unwatched(c: Candidate) -> list[str]:
+    """The weights of ``c`` no version counter watches once bound (NOTE [inference
+    tensors at bind]); a training graph's staging slot needs none."""
+    if c.unwatched is not None:
+        return list(c.unwatched)
+    if c.tensor is None or (c.stage_dtype is not None and not c.static):
+        return []
+    return [] if has_version_counter(c.tensor) else [c.name]
 
 
 def _off_the_graph_pool(fn, device: torch.device):
@@ -319,7 +340,7 @@ def _off_the_graph_pool(fn, device: torch.device):
 @dataclasses.dataclass
 class _PoolPlan:
     key: tuple
-    pool: W.WindowPool
+    pool: WP.WindowPool
     members: list[Candidate]
     layout: W.Layout
     new: list = dataclasses.field(default_factory=list)  # Windows opened by this bind
@@ -346,11 +367,14 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
         # 1. agree
         mine = [descriptor(c) for c in todo]
         everyone = rnd.exchange("agree", {"cands": [d.to_json() for d in mine],
-                                          "token": config.shm_prefix + uuid.uuid4().hex[:8]})
+                                          "token": config.shm_prefix + uuid.uuid4().hex[:8],
+                                          "readback": bool(config.bind_readback)})
         theirs = {r: [Descriptor.from_json(d) for d in v["cands"]] for r, v in everyone.items()}
         verdicts = agree(todo, mine, theirs)
         refuse_split_staging(todo, theirs)
         job = everyone[min(everyone)]["token"]  # the lowest rank's names every segment
+        # Every rank runs the read-back's exchanges, or none does (a rank-dependent config).
+        readback = all(v.get("readback", True) for v in everyone.values())
         chosen = []
         for c, why in zip(todo, verdicts):
             if why is None:
@@ -363,13 +387,13 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
         # 2. layout: one rule (windows.place), compared across ranks
         by_pool: dict[tuple, list[Candidate]] = {}
         for c in chosen:
-            key = W.pool_key(W.group_ranks_of(c.group), c.dtype, c.tensor.device)
+            key = WP.pool_key(W.group_ranks_of(c.group), c.dtype, c.tensor.device)
             by_pool.setdefault(key, []).append(c)
         for key, members in by_pool.items():
-            pool = W.get_pool(key)
+            pool = WP.get_pool(key)
             sizes = [m.nbytes for m in members]
             plans.append(_PoolPlan(key, pool, members, W.place(pool.state(), sizes, config.window_cap_bytes)))
-        W.check_window_limit(sum(len(p.layout.new_windows) for p in plans))
+        WP.check_window_limit(sum(len(p.layout.new_windows) for p in plans))
         layout = json.loads(json.dumps([[p.key, p.pool.state(), p.layout.digest()] for p in plans]))
         others = rnd.exchange("layout", layout)
         differ = sorted(r for r, v in others.items() if v != layout)
@@ -384,6 +408,15 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
         # 3. open
         for i, p in enumerate(plans):
             p.new = _open_windows(p, rnd, f"{i}", job)
+        # 3b. read back: a pool whose new windows some rank cannot read stays on the
+        # collective, on every rank (NOTE [peer read-back at bind] in readback.py)
+        for i, why in sorted(read_back(plans, rnd, readback).items(), reverse=True):
+            for c in plans[i].members:
+                res.skipped[c.name] = str(why)
+                _mark_fallback(c, why)
+            del plans[i]
+        if not plans:
+            return
         # 4. move
         slots = _slots(plans)
         views = _move_into_slots(slots, moved)
@@ -401,12 +434,12 @@ def _bind_unit(todo: list[Candidate], agree_pg, res: BindResult) -> None:
         raise BindError(f"torch_ce: bind failed on rank {dist.get_rank()} (this rank): "
                         f"{type(e).__name__}: {e}") from e
     for p in plans:
-        W.add_windows(p.pool, p.new)
+        WP.add_windows(p.pool, p.new)
         res.windows_opened += len(p.new)
     watched = []
     for c, slot in slots:
         slot.window.used = max(slot.window.used, slot.offset + W.align_up(slot.nbytes))
-        _transport(slot.window.device).publish_slot(slot)
+        transport(slot.window.device).publish_slot(slot)
         view, full = views[id(c)]
         if c.static:
             W.register_cast_slot(c.tensor, c.stage_dtype, slot, view, full if c.rows else None)
@@ -434,7 +467,7 @@ def _open_windows(p: _PoolPlan, rnd: Round, tag: str, job: str) -> list:
     new = [W.Window(p.key, len(p.pool.windows) + k, nbytes, group, p.key[0], dist.get_rank(group),
                     device, torch.empty(0, dtype=torch.uint8))
            for k, nbytes in enumerate(p.layout.new_windows)]
-    _transport(device).open_windows(new, rnd, tag, job)
+    transport(device).open_windows(new, rnd, tag, job)
     return new
 
 
@@ -454,7 +487,7 @@ def _move_into_slots(slots: list[tuple[Candidate, W.Slot]], moved: list) -> dict
     views = {}
     with torch.no_grad():
         for c, slot in slots:
-            full = _transport(slot.window.device).slot_local_view(slot)
+            full = transport(slot.window.device).slot_local_view(slot)
             view = full
             if c.rows:  # NOTE [uneven Shard(0): padded slots] in windows.py
                 n = c.tensor.shape[0]
@@ -463,7 +496,8 @@ def _move_into_slots(slots: list[tuple[Candidate, W.Slot]], moved: list) -> dict
             view.copy_(c.tensor)
             views[id(c)] = (view, full)
             if c.stage_dtype is None:
-                c.tensor.data = view
+                c.inference = not has_version_counter(c.tensor)
+                c.tensor.data = alias(view, c.inference)  # NOTE [inference tensors at bind]
                 moved.append((c, view))
     return views
 
@@ -473,7 +507,8 @@ def _roll_back(moved: list[tuple[Candidate, torch.Tensor]]) -> None:
     with torch.no_grad():
         for c, view in reversed(moved):
             try:
-                c.tensor.data = view.clone()
+                with torch.inference_mode(c.inference):  # back as what it was
+                    c.tensor.data = view.clone()
             except Exception as e:  # noqa: BLE001 (report, keep rolling back the others)
                 log.error("torch_ce.bind: could not restore %s after a failed bind: %s", c.name, e)
         if any(v.is_cuda for _, v in moved):

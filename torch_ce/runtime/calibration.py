@@ -87,7 +87,8 @@ def calibrate(slot, sizes_mib=(1, 4, 16, 64)) -> M.Curve | None:
     A window smaller than ``MIN_CALIBRATION_BYTES`` of peer reads is not calibrated
     (returns None); an implausible ladder gives the built-in curve (``adopt``).
     """
-    from . import cuda, host, windows as W
+    from . import windows as W
+    from .transports import transport
 
     w = slot.window
     dev = w.device
@@ -95,7 +96,7 @@ def calibrate(slot, sizes_mib=(1, 4, 16, 64)) -> M.Curve | None:
     known = M.current().curve(key)
     if known is not None and known.source == "calibrated":
         return known
-    tr = cuda if dev.type == "cuda" else host
+    tr = transport(dev)
     gather = torch.ops.magi.ce_all_gather
     points = []
     for mib in sizes_mib:

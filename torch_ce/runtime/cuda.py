@@ -10,7 +10,7 @@ waits for another: the sources are static weights published once at bind time.
 When the batched API is missing (runtime < 12.8) or a CUDA graph is being captured (the
 batched API is not capturable) the same reads go out as one cudaMemcpyAsync each.
 
-That gather is the C++ kernel (NOTE [native gather path] in csrc/ce_ops.cu; loaded by
+That gather is the C++ kernel (NOTE [native gather path] in csrc/ce_gather.cu; loaded by
 runtime/native.py). This module opens and publishes the windows it reads: each slot gets
 its peers' addresses (``peer_ptrs``, for the C++ index) and typed views (``peer_views``,
 for the pure-torch fallback in runtime/gather.py).

@@ -64,6 +64,7 @@ from .. import report
 from ..config import config
 from . import updates as _updates
 from . import windows as W
+from .window_pools import on_release
 
 log = logging.getLogger("torch_ce")
 
@@ -77,7 +78,7 @@ _roots_seen = 0
 # (group ranks, device) -> {id(slot view): (weak weight, weak local, slot view, versions)}:
 # the staging slots eager gathers read, and the weight's versions at their last refresh.
 _eager_slots: dict = {}
-W.on_release(_eager_slots.clear)
+on_release(_eager_slots.clear)
 
 
 def tracing(x=None) -> bool:
@@ -276,6 +277,7 @@ class _EagerGather(torch.autograd.Function):
     def forward(ctx, x, dtype, bwd_dtype, name, at):
         ctx.mesh, ctx.placements = x.device_mesh, x.placements
         ctx.shape, ctx.stride, ctx.dtype, ctx.bwd_dtype = x.shape, x.stride(), x.dtype, bwd_dtype
+        ctx.name = name
         return _gather(x, dtype, name, at, training=True)
 
     @staticmethod
@@ -286,6 +288,11 @@ class _EagerGather(torch.autograd.Function):
         g = grad if grad.dtype == ctx.bwd_dtype else grad.to(ctx.bwd_dtype)
         gs, gname = ctx.mesh.size(0), ctx.mesh.get_group(0).group_name
         local = c10d.wait_tensor(c10d.reduce_scatter_tensor(g, "sum", gs, gname))
+        if config.reduce_scatter == "copy_engine":  # counted where the others are, with its reason
+            from ..rs_reasons import RsReason
+            from .reduce_scatter import note
+
+            note(f"eager {ctx.name}", g.numel() * g.element_size(), RsReason.EAGER.says())
         if local.dtype != ctx.dtype:
             local = local.to(ctx.dtype)
         return (DTensor.from_local(local, ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape,

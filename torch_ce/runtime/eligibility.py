@@ -47,7 +47,7 @@ class Reason(enum.IntEnum):
     # in full (passes/rows.py). Its gathers stay ordinary CE gathers.
     ROWS_OTHER_READ = 32
     ROWS_MAX_NORM = 33
-    ROWS_CAST = 35  # unused since a cast slot's rows are gathered (issue 47); kept: codes stay
+    ROWS_CAST = 35  # unused since a cast slot's rows are gathered; kept: codes stay
     # A weight gather whose result nothing reads: dropped on every rank (gate.unread).
     UNREAD = 36
     # A weight gathered by a bucketed collective of several weights (bucketed before the
@@ -67,6 +67,10 @@ class Reason(enum.IntEnum):
     GROUP_SIZE_MISMATCH = 42
     FAKE_GROUP = 43
     TRAINED_WEIGHT = 44  # an inference graph's weight that a training graph stages
+    # A window some rank could not read back through the gathers' copy path at bind (a
+    # peer mapping that copies nothing or reads other memory): its pool's weights of that
+    # bind stay on the collective (NOTE [peer read-back at bind] in runtime/readback.py).
+    PEER_READBACK = 45
     # Agreement (bind only).
     DISAGREEMENT = 50
     PEER_REFUSED = 51

@@ -3,7 +3,7 @@ gather of embedding lookups (``gather_rows``, NOTE [row gathers] in passes/rows.
 the kernel that serves each is chosen (``kernel_path`` says which, for ``explain()``).
 
 On CUDA with the C++ kernels loaded it is their gather (NOTE [native gather path] in
-csrc/ce_ops.cu). Everywhere else it is ``copy_peers``: per-peer ``copy_`` of each
+csrc/ce_gather.cu). Everywhere else it is ``copy_peers``: per-peer ``copy_`` of each
 slot's ``peer_views`` on the *current* stream, in the C++ gather's peer order. On CPU that
 is the host transport's memcpy (it completes before returning); on CUDA it is the opted-in fallback
 (``config.cuda_torch_fallback``), ordered by the current stream alone, so its outputs
@@ -32,6 +32,7 @@ import torch
 from . import native, rows_triton
 from . import windows as W
 from .eligibility import Reason
+from .window_pools import on_release
 from .windows import Slot
 
 log = logging.getLogger("torch_ce")
@@ -157,7 +158,7 @@ def _mirror_row_table(key: int, slot: Slot | None) -> None:
 
 
 W.on_cuda_slot(_mirror_row_table)
-W.on_release(_row_tables.clear)
+on_release(_row_tables.clear)
 
 _warned_rows: list = []
 _warn_lock = threading.Lock()

@@ -8,7 +8,7 @@ Each rank creates ``/dev/shm/<job>_<group>_<dtype>_<n>_r<rank>``, where ``job`` 
 lowest rank's ``config.shm_prefix`` (``torch_ce_`` by default) and a random token of the
 bind (runtime/binding.py); after one exchange every rank maps its peers' segments, and
 after a second the names are unlinked: the mappings live on, and nothing of ours is left
-in /dev/shm even if the job dies later. A name lives no longer than that (issue 46): at
+in /dev/shm even if the job dies later. A name lives no longer than that: at
 world 2 a rank unlinks its peer's name as soon as it has mapped it (it is its only other
 reader), and when the exchanges fail here (a peer killed mid-bind, a timeout) this rank
 unlinks every name of the bind, its peers' too, so a killed rank leaves no segment.

@@ -1,15 +1,15 @@
-"""The C++ kernels of the magi gathers (csrc/ce_ops.cu, NOTE [native gather path]).
+"""The C++ kernels of the magi gathers (csrc/ce_gather.cu, NOTE [native gather path]).
 
 Loaded once, at import of ``torch_ce.ops``, when the library was built (a CUDA build of
 torch at install; nvcc or the host compiler, NOTE [building without nvcc] in
 runtime/toolchain.py) and ``TORCH_CE_NATIVE`` is not 0. Loaded, they are the one CUDA
 gather: ``magi::ce_all_gather[_coalesced]`` on CUDA, and the bound members of whatever
 bucket they hand to the Python kernel (``gather_bound``). Their slot index mirrors the
-registry of ``windows.py``, whose ``register``/``release_all`` alone write it. This module
-wraps the library and nothing else: which kernel serves a gather (the row gather's CUDA,
-Triton or pure-torch path, ``gather.row_path``) is chosen in runtime/gather.py, and it
-imports no other run-time module but ``toolchain`` and ``eligibility``
-(test/test_layout.py).
+registry of ``windows.py``, whose ``register`` and ``window_pools.release_all`` alone
+write it. This module wraps the library and nothing else: which kernel serves a gather
+(the row gather's CUDA, Triton or pure-torch path, ``gather.row_path``) is chosen in
+runtime/gather.py, and it imports no other run-time module but ``toolchain`` and
+``eligibility`` (test/test_layout.py).
 
 # NOTE [experiment knobs]
 The variables below are not configuration: they exist for A/B runs. They are read here
@@ -340,7 +340,7 @@ def set_prefetch_pending(pending: bool) -> None:
 
 def has_stream_flags() -> bool:
     """Whether the loaded library has the stream flag ops (NOTE [stream flags] in
-    csrc/ce_ops.cu): what the CUDA reduce-scatter signals and waits with."""
+    csrc/ce_flags.cu): what the CUDA reduce-scatter signals and waits with."""
     return load() and hasattr(torch.ops.torch_ce_native, "stream_wait_value32")
 
 
@@ -371,7 +371,7 @@ def host_write_words(addr: int, value: int, count: int, width: int, method: int)
 
 def host_register(addr: int, nbytes: int) -> int:
     """Page-locks and maps ``nbytes`` of host memory at ``addr`` for the device
-    (cudaHostRegister): its device address (NOTE [poison word] in csrc/ce_ops.cu)."""
+    (cudaHostRegister): its device address (NOTE [poison word] in csrc/ce_flags.cu)."""
     return int(torch.ops.torch_ce_native.host_register(int(addr), int(nbytes)))
 
 
@@ -379,8 +379,8 @@ def host_unregister(addr: int) -> None:
     torch.ops.torch_ce_native.host_unregister(int(addr))
 
 
-# NOTE [native reduce-scatter path] in csrc/ce_ops.cu: the reduce-scatter's launch and
-# completion in C++ (``config.rs_native``); runtime/reduce_scatter.py decides when.
+# NOTE [native reduce-scatter path] in csrc/ce_reduce_scatter.cu: the reduce-scatter's launch and
+# completion in C++ (``config.rs_native``); runtime/reduce_scatter/launch.py decides when.
 RS_OPS = {"sum": 0, "avg": 1}
 RS_PREMUL = 2
 
@@ -390,7 +390,7 @@ _RAW: dict = {}
 
 def _raw(name: str):
     """The library op ``name`` called as the builtin torch.ops wraps: no Python-level
-    checks per call (host microseconds each, run 63). Eager calls only: nothing traces
+    checks per call (host microseconds each). Eager calls only: nothing traces
     these."""
     f = _RAW.get(name)
     if f is None:
@@ -400,7 +400,7 @@ def _raw(name: str):
 
 
 def rs_timing(mode: int = 0) -> list:
-    """The C++ launch's and completion's host seconds per piece (csrc/ce_ops.cu rs_timing):
+    """The C++ launch's and completion's host seconds per piece (csrc/ce_reduce_scatter.cu rs_timing):
     0 read, 1 reset and on, 2 off. A probe (bench/compare/rs_host_breakdown.py)."""
     return list(torch.ops.torch_ce_native.rs_timing(int(mode)))
 
@@ -432,7 +432,8 @@ _HAS_RS: list = []  # has_rs_native's answer, once (the library loads once per p
 
 def rs_has_kernel() -> bool:
     """Whether it has the CUDA reduction kernel (an nvcc build); else its completion calls
-    ``torch_ce::rs_reduce_fallback`` (the Triton kernel, runtime/reduce_triton.py)."""
+    ``torch_ce::rs_reduce_fallback`` (the Triton kernel,
+    runtime/reduce_scatter/reduce_triton.py)."""
     return has_rs_native() and bool(torch.ops.torch_ce_native.rs_has_kernel())
 
 
@@ -453,12 +454,12 @@ def has_peer_copy_into() -> bool:
 
 def peer_copy_into(out: torch.Tensor, srcs: list, rows: list) -> None:
     """``srcs[i]`` into row ``rows[i]`` of ``out`` on the copy stream, ordered after and
-    before the current stream (csrc/ce_ops.cu)."""
+    before the current stream (csrc/ce_gather.cu)."""
     torch.ops.torch_ce_native.peer_copy_into(out, srcs, rows)
 
 
 class Handle:
-    """A C++ reduce-scatter workspace or call, held by its integer id (csrc/ce_ops.cu
+    """A C++ reduce-scatter workspace or call, held by its integer id (csrc/ce_reduce_scatter.cu
     "Handles": a custom-class object costs ~15 us to pass through an op call); the C++
     side forgets it when this, its last Python reference, goes."""
 

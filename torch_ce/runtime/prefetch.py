@@ -36,6 +36,7 @@ import torch
 from . import native
 from . import windows as W
 from .versions import version_of
+from .window_pools import on_release
 
 log = logging.getLogger("torch_ce")
 
@@ -166,4 +167,4 @@ def reset_stats() -> None:
         stats[k] = 0
 
 
-W.on_release(drop)
+on_release(drop)

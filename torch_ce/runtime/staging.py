@@ -81,12 +81,13 @@ import torch.distributed as dist
 
 from . import versions
 from . import windows as W
+from .window_pools import on_release
 
 log = logging.getLogger("torch_ce")
 
 # One-element fence tensors, per device.
 _flags: dict = {}
-W.on_release(_flags.clear)
+on_release(_flags.clear)
 
 
 _no_step_fence = False  # only unsafe_no_step_fence() sets it

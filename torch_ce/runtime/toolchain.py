@@ -7,9 +7,9 @@ bind-time warning). Plain functions over a ``torch`` module and an environment p
 a CPU test can check every choice (test/test_build.py); nothing here imports torch_ce.
 
 # NOTE [building without nvcc]
-The gather needs no device code: csrc/ce_ops.cu (a .cu by the design card's name, read
-as C++ with ``-x c++``) is host C++ that calls the CUDA runtime
-(``cudaMemcpyBatchAsync``, events, streams). So any host C++ compiler builds it against
+The gather needs no device code: csrc/'s host sources (setup.py HOST_SOURCES, .cu by the
+design card's name, read as C++ with ``-x c++``) are host C++ that calls the CUDA runtime
+(``cudaMemcpyBatchAsync``, events, streams). So any host C++ compiler builds them against
 torch's headers and CUDA's *runtime* headers, and links torch's libraries and the
 ``libcudart`` torch already loads. What it needs from CUDA is headers whose version is the
 runtime's: CUDA 13 changed ``cudaMemcpyBatchAsync``'s signature (it dropped ``failIdx``),
@@ -17,7 +17,7 @@ so 12.8 headers against a 13.0 runtime link and load, and the first gather fails
 "invalid resource handle" (the stream lands in another argument's slot). The build
 therefore reads ``CUDART_VERSION`` from the headers it will use and refuses, before
 compiling, headers of another major version than ``torch.version.cuda`` or of a newer
-minor one (calls the runtime may lack); ce_ops.cu repeats the major check with
+minor one (calls the runtime may lack); csrc/ce_native.h repeats the major check with
 ``#error`` in case the compiler finds another ``cuda_runtime_api.h`` first.
 
 Where the headers come from, first found wins:

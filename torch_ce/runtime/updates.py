@@ -46,6 +46,7 @@ from ..config import config
 from . import prefetch, staging, versions
 from . import windows as W
 from .agreement import Round
+from .session import PeerError
 
 log = logging.getLogger("torch_ce")
 
@@ -65,7 +66,7 @@ def _run_exit_hooks(wanted) -> None:
         fn(wanted)
 
 
-class UpdateError(RuntimeError):
+class UpdateError(PeerError):
     """``updating_weights`` did not complete on every rank of a group (a peer never entered
     it, or its block raised); raised on every rank that entered."""
 
@@ -268,13 +269,13 @@ def _unhomeable(moved) -> str:
 
 def _rehome(moved) -> None:
     """Copy each re-pointed weight into its slot and point it back there."""
-    from .binding import _transport
+    from .transports import transport
 
     for slot, weight in moved:
         w = slot.window
         # What the bind pointed it at (a window without a transport handle: a test's
         # loopback slot, whose own view is its peer view).
-        full = _transport(w.device).slot_local_view(slot) if w.handle is not None else slot.peer_views[w.rank]
+        full = transport(w.device).slot_local_view(slot) if w.handle is not None else slot.peer_views[w.rank]
         home = full[:weight.shape[0]] if W.is_padded_slot(slot) else full
         home.copy_(weight)
         if home.shape[0] < full.shape[0]:

@@ -299,9 +299,9 @@ def reset(slot, extra=()) -> None:
 
 
 def _register_teardown() -> None:
-    from . import windows
+    from . import window_pools
 
-    windows.on_release(forget)
+    window_pools.on_release(forget)
 
 
 _register_teardown()

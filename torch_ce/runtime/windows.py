@@ -1,5 +1,6 @@
-"""Symmetric windows: pools per (process group, dtype), the one layout rule, and the
-bound-shard registry.
+"""Symmetric windows: what a window and a slot are, the one layout rule, and the
+bound-shard registry. The process's pools of windows, and their release:
+window_pools.py.
 
 # NOTE [symmetric layout]
 Every rank of a group binds the same shards in the same order with the same sizes (the
@@ -23,26 +24,17 @@ the cap (a shard larger than the cap gets a window of exactly its size). So:
   window, plus tails shorter than the shard that did not fit them in older ones.
 Slots start on 512-byte boundaries (peak copy-engine throughput; Inductor also assumes
 16-byte-aligned parameters). The driver allows at most 128 symmetric windows per process.
-
-# NOTE [window lifetime]
-``release_all()`` forgets every binding, but a window whose shards are still held by live
-tensors (the parameters view it) stays allocated and counted until the last of them dies;
-only then is it freed. CUDA views of a window do not own its memory (symmetric memory's
-``get_buffer``), so the window must outlive them.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import threading
 import weakref
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-
-log = logging.getLogger("torch_ce")
 
 SLOT_ALIGN = 512
 MAX_WINDOWS_PER_PROCESS = 128
@@ -95,7 +87,7 @@ class Slot:
     # its device address (CUDA transport). Filled when the slot is published.
     peer_views: list = dataclasses.field(default_factory=list)
     peer_ptrs: list = dataclasses.field(default_factory=list)
-    ref: Any = None  # weakref to the bound tensor (NOTE [window lifetime])
+    ref: Any = None  # weakref to the bound tensor (NOTE [window lifetime] in window_pools.py)
     # The version counters of the weight it holds (in place, padded or cast; not a training
     # graph's staging slot, refreshed every step): NOTE [the version net] in versions.py.
     watch: Any = None
@@ -113,26 +105,6 @@ class Fallback:
     group_name: str
     ref: Any = None  # weakref to the tensor: a freed tensor's address may be reused
     code: int = 0  # eligibility.Reason of the refusal
-
-
-class WindowPool:
-    """The windows of one (process group ranks, dtype, device type)."""
-
-    def __init__(self, key: tuple):
-        self.key = key
-        self.windows: list[Window] = []
-
-    @property
-    def reserved(self) -> int:
-        return sum(w.nbytes for w in self.windows)
-
-    @property
-    def used(self) -> int:
-        return sum(w.used for w in self.windows)
-
-    def state(self) -> list[tuple[int, int]]:
-        """(nbytes, used) per window: what ``place`` depends on (agreed across ranks)."""
-        return [(w.nbytes, w.used) for w in self.windows]
 
 
 @dataclasses.dataclass
@@ -200,51 +172,12 @@ def window_bound(reserved: int, cap: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# Process-wide state: pools and the data_ptr -> Slot registry.
+# Process-wide state: the data_ptr -> Slot registry (the pools: window_pools.py).
 # ---------------------------------------------------------------------------------------
 
+# One lock for the registry and the pools: a release changes both at once.
 _lock = threading.RLock()
-_pools: dict[tuple, WindowPool] = {}
 _registry: dict[int, Slot | Fallback] = {}
-_retired: dict[int, Window] = {}  # id -> window still viewed by live tensors after release
-
-
-def pool_key(group_ranks: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
-    # Keyed by the group's global ranks, not its name: subgroup names differ across ranks.
-    return (group_ranks, str(dtype).replace("torch.", ""), device.type)
-
-
-def get_pool(key: tuple) -> WindowPool:
-    with _lock:
-        if key not in _pools:
-            _pools[key] = WindowPool(key)
-        return _pools[key]
-
-
-def pools() -> dict[tuple, WindowPool]:
-    return dict(_pools)
-
-
-def open_count() -> int:
-    """Windows this process holds: in pools, plus released ones still viewed."""
-    with _lock:
-        return sum(len(p.windows) for p in _pools.values()) + len(_retired)
-
-
-def check_window_limit(n_new: int) -> None:
-    have = open_count()
-    if have + n_new > MAX_WINDOWS_PER_PROCESS:
-        raise RuntimeError(
-            f"torch_ce: opening {n_new} more symmetric windows would exceed the driver's "
-            f"limit of {MAX_WINDOWS_PER_PROCESS} per process ({have} open, released ones "
-            "still viewed by live tensors included); raise window_cap_mib, or drop models "
-            "bound earlier and call torch_ce.release_all()"
-        )
-
-
-def add_windows(pool: WindowPool, windows: list[Window]) -> None:
-    with _lock:
-        pool.windows.extend(windows)
 
 
 def lookup(t: torch.Tensor) -> Slot | Fallback | None:
@@ -493,50 +426,35 @@ def bound_slots() -> list[Slot]:
     return [e for e in _registry.values() if isinstance(e, Slot)]
 
 
-_teardown_hooks: list[Callable[[], None]] = []
-
-
-def on_release(fn: Callable[[], None]) -> None:
-    _teardown_hooks.append(fn)
-
-
-def _retire(w: Window, live: list[torch.Tensor]) -> None:
-    """Keep ``w`` (and count it) until every tensor in ``live`` is gone."""
-    key = id(w)
-    _retired[key] = w
-    left = [len(live)]
-
-    def one_gone():
-        with _lock:
-            left[0] -= 1
-            if left[0] == 0:
-                _retired.pop(key, None)
-
-    for t in live:
-        weakref.finalize(t, one_gone)
-
-
-def release_all() -> None:
-    """Forget every pool and binding (teardown). Call ``torch.cuda.synchronize()`` and a
-    barrier first so no peer is still reading. Windows still viewed by live parameters stay
-    allocated (and counted) until those die (NOTE [window lifetime]); shared-memory names
-    are unlinked at open time, so nothing of ours stays in /dev/shm."""
+def forget_slots_of(windows: list[Window]) -> int:
+    """Drop every registry entry of a slot in ``windows`` (``window_pools.release_owner``);
+    returns how many."""
+    ids = {id(w) for w in windows}
+    n = 0
     with _lock:
-        for fn in list(_teardown_hooks):
-            try:
-                fn()
-            except Exception as e:  # teardown must not mask the caller's exception
-                log.warning("torch_ce: teardown hook failed: %s", e)
-        by_window: dict[int, list[torch.Tensor]] = {}
-        for s in bound_slots():
-            t = s.ref() if s.ref is not None else None
-            if t is not None:
-                by_window.setdefault(id(s.window), []).append(t)
-        for pool in _pools.values():
-            for w in pool.windows:
-                if id(w) in by_window:
-                    _retire(w, by_window[id(w)])
-        _pools.clear()
+        for key, entry in list(_registry.items()):
+            if isinstance(entry, Slot) and id(entry.window) in ids:
+                _registry.pop(key, None)  # pop: a finalizer may release another owner meanwhile
+                n += 1
+                if entry.window.device.type == "cuda":
+                    from . import native
+
+                    if native.loaded():
+                        _mirror(key, None)
+        for table in (_staged, _cast):
+            for key, val in list(table.items()):
+                if isinstance(val[1], Slot) and id(val[1].window) in ids:
+                    table.pop(key, None)
+        for key, (entry, _) in list(_padded.items()):
+            if id(entry.window) in ids:
+                _padded.pop(key, None)
+    return n
+
+
+def clear_registry() -> None:
+    """Forget every bound shard, staging, cast and padded slot and Fallback
+    (``window_pools.release_all``)."""
+    with _lock:
         _registry.clear()
         _staged.clear()
         _padded.clear()

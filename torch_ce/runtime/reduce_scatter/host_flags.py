@@ -1,11 +1,11 @@
 """Host-mapped flag words of a CUDA reduce-scatter workspace (NOTE [poison word] in
-csrc/ce_ops.cu): why and when they replace the device-memory flags.
+csrc/ce_flags.cu): why and when they replace the device-memory flags.
 
 Under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` every stream shares one hardware queue, so the
 watchdog's flag writes, enqueued on a stream of its own, queue behind the very wait they
-should release; a host store into host-mapped memory releases it (runs 59 and 60, docs/
-DESIGN.md "No hang"). So there each rank's flags, header and two poison words (one per
-half) live in a /dev/shm segment that every rank of the group maps and registers with CUDA
+should release; a host store into host-mapped memory releases it (docs/DESIGN.md "No
+hang"). So there each rank's flags, header and two poison words (one per half) live in a
+/dev/shm segment that every rank of the group maps and registers with CUDA
 (``cudaHostRegister``, mapped); the slices stay in symmetric device memory. The waits and
 writes are the same stream memory operations on the segment's addresses; the watchdog
 releases a call by host stores: the call's tag into its half's poison word, then the
@@ -14,7 +14,7 @@ word and writes NaN (csrc/ce_reduce.cu), never the sum of slices that were not p
 
 Only the native completion with the CUDA reduction kernel reads the poison word, so host
 flags need it (``unavailable``); elsewhere under one queue the op keeps the collective
-(``rs_workspace.one_queue_refusal``).
+(``RsReason.ONE_QUEUE``, runtime/reduce_scatter/op.py).
 
 Names live as long as the host transport's (runtime/host.py): at world 2 a peer's name is
 unlinked as soon as it is mapped, the own name after the last exchange, and every name of
@@ -27,9 +27,8 @@ import os
 
 import torch
 
-from ..config import config
-from . import native
-from . import host
+from ...config import config
+from .. import host, native
 
 _PAGE = mmap.PAGESIZE
 

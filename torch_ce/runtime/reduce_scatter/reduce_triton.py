@@ -1,11 +1,11 @@
 """The copy-engine reduce-scatter's reduction as a Triton kernel: what serves the native
-completion (NOTE [native reduce-scatter path] in csrc/ce_ops.cu) when the library was built
-without nvcc (NOTE [building without nvcc] in runtime/toolchain.py), so without
-csrc/ce_reduce.cu. The C++ completion calls it through the op
-``torch_ce::rs_reduce_fallback`` on the reduce stream.
+completion (NOTE [native reduce-scatter path] in csrc/ce_reduce_scatter.cu) when the
+library was built without nvcc (NOTE [building without nvcc] in runtime/toolchain.py), so
+without csrc/ce_reduce.cu. The C++ completion calls it through the op
+``torch_ce::rs_reduce_fallback`` on the reduce stream (``reference.reduce_fallback``).
 
 The same arithmetic as NOTE [reduction kernel] in csrc/ce_reduce.cu and as
-``reduce_scatter._reduce`` on CUDA, bit for bit: per member of the bucket, one launch whose
+``reference._reduce`` on CUDA, bit for bit: per member of the bucket, one launch whose
 programs grid-stride over its elements; each loads the W sources of its block in group
 index order (this rank's own chunk from the input in place, the peers' from the receive
 half), widens them to fp32 and adds left to right (``premul_sum``: each source times the
