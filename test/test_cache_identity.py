@@ -108,7 +108,7 @@ def test_every_cache_key_field_changes_both_keys(name):
 # Run-time-only settings: they change what a bind or a calibration does, never the graph.
 RUN_TIME_ONLY = {"cost_cache_dir", "bind_timeout_s", "bind_arrival_timeout_s", "bind_readback", "cuda_torch_fallback", "shm_prefix",
                  "rs_workspace_cap_mib", "rs_timeout_s", "eager_gathers", "rs_native",
-                 "rs_host_flags"}
+                 "rs_host_flags", "fsdp2_timeout_s"}
 
 
 def test_cache_key_is_every_field_but_the_run_time_ones():

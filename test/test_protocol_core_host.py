@@ -11,10 +11,12 @@ fresh calls after it are exact; reduce-scatter calls are told apart by their con
   A B C (worlds 2 and 3): every rank raises at the mismatched call, naming both buckets;
   no rank returns a sum; fresh calls are exact.
 - ``test_a_failure_ends_every_other_wait``: for each pair of protocols (bind round, update
-  round, reduce-scatter flags, reduce-scatter workspace round, FSDP2 step words), rank 1
-  fails in one after its 2 s timeout while rank 0 waits in the other with a 60 s timeout:
-  rank 0 raises within seconds, naming rank 1's failure; then fresh calls of every
-  protocol are exact on both ranks.
+  round, reduce-scatter flags, reduce-scatter workspace round), rank 1 fails in one after
+  its 2 s timeout while rank 0 waits in the other with a 60 s timeout: rank 0 raises within
+  seconds, naming rank 1's failure; then fresh calls of every protocol are exact on both
+  ranks. ``test_step_words_end_and_are_ended``: the same with FSDP2's step words on one
+  side (the failure only: a training group that raised stays refused until
+  ``fsdp2.disable`` and ``enable``).
 
 Every result is checked against gloo (reduce-scatters, gathers) or FSDP2's own forward, on
 fresh random data, on every rank.
@@ -181,7 +183,7 @@ class _Core:
                 self.w._local_tensor.mul_(1.0)
         elif proto in ("rs", "rs_round"):
             rows = 24 if proto == "rs" else 4000  # rs_round: a workspace larger than any before
-            with torch_ce.config.patch(rs_timeout_s=timeout_s):
+            with torch_ce.config.patch(rs_timeout_s=timeout_s, bind_arrival_timeout_s=timeout_s):
                 x = torch.randn(self.world * rows, 9, generator=self.gen)
                 out = torch_ce.reduce_scatter(x, self.group, name=f"core {proto}")
                 assert torch.equal(out, _gloo_rs(x, self.world))
@@ -220,7 +222,7 @@ def _comms(model):
     return list(e.comms.values()) if e is not None else []
 
 
-def _matrix(rank, world, seed, pairs):
+def _matrix(rank, world, seed, pairs, recover=True):
     import torch.distributed as dist
 
     from torch_ce.runtime.session import PeerError
@@ -241,19 +243,13 @@ def _matrix(rank, world, seed, pairs):
             err = f"{type(e).__name__}: {e}"
         took = time.monotonic() - t0
         dist.barrier()
-        if "step" in (waits, fails):
-            core.recover_step_words()
-        core.all_exact()  # fresh calls of every protocol after the failure, no release_all()
+        if recover:
+            core.all_exact()  # fresh calls of every protocol after the failure, no release_all()
         out.append((waits, fails, err, took))
     return out
 
 
-def test_a_failure_ends_every_other_wait():
-    """Rank 0 waits in one protocol (60 s bound), rank 1 fails in another (2 s), for every
-    pair: both raise, rank 0 within a few seconds, naming rank 1; then every protocol's
-    fresh calls are exact on both ranks (no ``release_all()``)."""
-    pairs = [(w, f) for w in PROTOCOLS for f in PROTOCOLS if f != w and {w, f} != {"rs", "rs_round"}]
-    res = run_ranks(_matrix, 2, seed_base(), pairs, timeout=900)
+def _check_pairs(res) -> None:
     bad = []
     for (w, f, err0, took0), (_, _, err1, took1) in zip(*res):
         if not (err1 and took1 < SHORT_S + 5):
@@ -261,3 +257,21 @@ def test_a_failure_ends_every_other_wait():
         if not (err0 and took0 < SHORT_S + 5 and "rank 1" in err0):
             bad.append(f"rank 0 waiting in {w} while rank 1 failed in {f}: {err0!r} after {took0:.1f} s")
     assert not bad, "\n".join(bad)
+
+
+def test_a_failure_ends_every_other_wait():
+    """Rank 0 waits in one protocol (60 s bound), rank 1 fails in another (2 s), for every
+    pair of rounds and reduce-scatter waits: both raise, rank 0 within a few seconds,
+    naming rank 1; then every protocol's fresh calls are exact on both ranks (no
+    ``release_all()``)."""
+    protos = ("bind", "update", "rs", "rs_round")
+    pairs = [(w, f) for w in protos for f in protos if f != w and {w, f} != {"rs", "rs_round"}]
+    _check_pairs(run_ranks(_matrix, 2, seed_base(), pairs, timeout=600))
+
+
+@pytest.mark.parametrize("pair", [("step", "update"), ("update", "step"), ("rs", "step")], ids="-".join)
+def test_step_words_end_and_are_ended(pair):
+    """FSDP2's step words meet the other protocols' failures too: rank 0 waiting in a
+    training gather while rank 1 fails an update round raises within seconds, and a step
+    word that times out on rank 1 ends rank 0's update round or reduce-scatter wait."""
+    _check_pairs(run_ranks(_matrix, 2, seed_base(), [pair], False, timeout=300))

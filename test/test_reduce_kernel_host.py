@@ -378,7 +378,7 @@ def test_watchdog_frees_its_calls_before_it_leaves(monkeypatch):
 
     monkeypatch.setattr(native, "rs_stages", lambda hs: [3] * len(hs))  # every call done
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    ws = types.SimpleNamespace(failed="", key=((0, 1),), gen=1)
+    ws = types.SimpleNamespace(failed="", key=((0, 1),), gen=1, session=types.SimpleNamespace(failed="", aborted=lambda: None))
     for k in range(3):
         call = Call(ws, 0, [], [], [], [], "sum", f"c{k}", 0, native=Handle())
         WD.watch(call, started=False)
@@ -415,7 +415,7 @@ def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):
     monkeypatch.setattr(native, "rs_stages", stages)
     monkeypatch.setattr(WD, "_release", lambda call, why: released.append((call.native, why, time.monotonic())))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    ws = types.SimpleNamespace(failed="", key=((0, 1),), gen=1)
+    ws = types.SimpleNamespace(failed="", key=((0, 1),), gen=1, session=types.SimpleNamespace(failed="", aborted=lambda: None))
     calls = {}
     for h in ("a", "b"):
         calls[h] = Call(ws, 0, [], [], [], [], "sum", h, 0, native=h)

@@ -89,13 +89,21 @@ def _grads_of(node: fx.Node) -> list[str]:
         nxt = []
         for n in frontier:
             for i in where.get(n, ()):
-                found.append(_input_name(getattr(descs[i], "grad_of", None)) if i < len(descs) else None)
+                found.append(_input_name(_grad_of(descs[i])) if i < len(descs) else None)
             for u in n.users:
                 if u not in seen and u.op != "output":
                     seen.add(u)
                     nxt.append(u)
         frontier = nxt
     return sorted({f for f in found if f}, key=lambda t: (len(t), t))
+
+
+def _grad_of(desc):
+    """The input an output descriptor is the gradient of, through subclass attributes
+    (``SubclassGetAttrAOTOutput(base=GradAOTOutput(grad_of=...))``: a DTensor's local part)."""
+    while desc is not None and not hasattr(desc, "grad_of") and hasattr(desc, "base"):
+        desc = desc.base
+    return getattr(desc, "grad_of", None)
 
 
 def _input_name(desc) -> str | None:

@@ -311,19 +311,15 @@ def _open_cuda(key, pg, ranks, index, cap, dtype, name, device, sig, old: Worksp
 
 
 def _round(key: tuple) -> Round:
-    """The pool's next round, in its group's session. Its first step waits
-    ``rs_timeout_s``, or, for the first workspace this process opens for the pool (its
-    peers may still be compiling the backward), at least ``bind_arrival_timeout_s``."""
+    """The pool's next round, in its group's session. Its first step waits at least
+    ``bind_arrival_timeout_s`` (peers may still be compiling the backward, or be late
+    after a failure); a peer's failure ends it sooner."""
     import torch.distributed as dist
 
     t = float(config.rs_timeout_s)
-    arrival = t if key in _OPENED else max(t, float(config.bind_arrival_timeout_s))
-    _OPENED.add(key)
-    return Round(key[0], dist.get_rank(), t, arrival, what="reduce_scatter", error=ReduceScatterError,
-                 timeout_names=("rs_timeout_s; a pool's first: bind_arrival_timeout_s", "rs_timeout_s"))
-
-
-_OPENED: set = set()  # pools this process opened a workspace for (their rounds' first step: rs_timeout_s)
+    return Round(key[0], dist.get_rank(), t, max(t, float(config.bind_arrival_timeout_s)),
+                 what="reduce_scatter", error=ReduceScatterError,
+                 timeout_names=("rs_timeout_s (or bind_arrival_timeout_s)", "rs_timeout_s"))
 
 
 def _agree(rnd: Round, key, ranks, cap, name, sig, old: Workspace | None) -> dict:
