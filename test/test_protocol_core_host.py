@@ -18,6 +18,9 @@ fresh calls after it are exact; reduce-scatter calls are told apart by their con
   side (the failure only: a training group that raised stays refused until
   ``fsdp2.disable`` and ``enable``).
 
+- ``test_a_rank_killed_inside_an_update_round``: the survivor raises at the exit round
+  within the update's timeout, naming the dead rank; nothing is left in /dev/shm.
+
 Every result is checked against gloo (reduce-scatters, gathers) or FSDP2's own forward, on
 fresh random data, on every rank.
 """
@@ -275,3 +278,50 @@ def test_step_words_end_and_are_ended(pair):
     training gather while rank 1 fails an update round raises within seconds, and a step
     word that times out on rank 1 ends rank 0's update round or reduce-scatter wait."""
     _check_pairs(run_ranks(_matrix, 2, seed_base(), [pair], False, timeout=300))
+
+
+def _killed_in_update(rank, world, seed, out_dir):
+    """Rank 1 exits inside ``updating_weights`` (after the enter round); rank 0 reports
+    what it saw in a file (the harness fails the run: a rank died) and exits too."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import torch_ce
+
+    torch_ce.config.update(shm_prefix=f"tceu{seed}_")
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.randn(64, 16, generator=torch.Generator().manual_seed(seed))
+    w = torch.nn.Parameter(DTensor.from_local(full.chunk(world)[rank].clone(), mesh, [Shard(0)], run_check=False),
+                           requires_grad=False)
+    torch_ce.bind([w], group=dist.group.WORLD, min_shard_mib=0)
+    t0 = time.monotonic()
+    try:
+        with torch_ce.updating_weights([w], timeout_s=3.0):
+            if rank == 1:
+                os._exit(0)
+            w._local_tensor.mul_(2.0)
+        err = "no error"
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        err = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out_dir, "survivor"), "w") as f:
+        json.dump({"error": err, "took": time.monotonic() - t0}, f)
+    os._exit(0)
+
+
+def test_a_rank_killed_inside_an_update_round(tmp_path):
+    """A rank that dies inside ``updating_weights``: its peer raises ``UpdateError`` at the
+    exit round within the update's timeout, naming it, and /dev/shm holds nothing of the job."""
+    import glob
+    import json
+
+    seed = seed_base()
+    with pytest.raises(pytest.fail.Exception, match="exited with code 0 without reporting"):
+        run_ranks(_killed_in_update, 2, seed, str(tmp_path), timeout=120)
+    survivor = json.loads((tmp_path / "survivor").read_text())
+    assert survivor["error"].startswith("UpdateError") and "[1]" in survivor["error"], survivor
+    assert survivor["took"] < 3.0 + 5.0, survivor
+    assert not glob.glob(f"/dev/shm/tceu{seed}_*"), glob.glob(f"/dev/shm/tceu{seed}_*")
