@@ -15,8 +15,8 @@ fresh calls after it are exact; reduce-scatter calls are told apart by their con
   its 2 s timeout while rank 0 waits in the other with a 60 s timeout: rank 0 raises within
   seconds, naming rank 1's failure; then fresh calls of every protocol are exact on both
   ranks. ``test_step_words_end_and_are_ended``: the same with FSDP2's step words on one
-  side (the failure only: a training group that raised stays refused until
-  ``fsdp2.disable`` and ``enable``).
+  side (a training group that raised is refused until ``fsdp2.disable`` and ``enable``,
+  which is then a full recovery).
 
 - ``test_a_rank_killed_inside_an_update_round``: the survivor raises at the exit round
   within the update's timeout, naming the dead rank; nothing is left in /dev/shm.
@@ -246,6 +246,8 @@ def _matrix(rank, world, seed, pairs, recover=True):
             err = f"{type(e).__name__}: {e}"
         took = time.monotonic() - t0
         dist.barrier()
+        if recover and "step" in (waits, fails):
+            core.recover_step_words()  # a training group that raised: disable and enable
         if recover:
             core.all_exact()  # fresh calls of every protocol after the failure, no release_all()
         out.append((waits, fails, err, took))
@@ -276,8 +278,10 @@ def test_a_failure_ends_every_other_wait():
 def test_step_words_end_and_are_ended(pair):
     """FSDP2's step words meet the other protocols' failures too: rank 0 waiting in a
     training gather while rank 1 fails an update round raises within seconds, and a step
-    word that times out on rank 1 ends rank 0's update round or reduce-scatter wait."""
-    _check_pairs(run_ranks(_matrix, 2, seed_base(), [pair], False, timeout=300))
+    word that times out on rank 1 ends rank 0's update round or reduce-scatter wait; after
+    ``fsdp2.disable`` and ``enable`` on every rank (a forward that raised left FSDP2 mid
+    pass) every protocol's fresh calls are exact."""
+    _check_pairs(run_ranks(_matrix, 2, seed_base(), [pair], timeout=300))
 
 
 def _killed_in_update(rank, world, seed, out_dir):

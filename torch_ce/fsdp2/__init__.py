@@ -142,7 +142,8 @@ def enable(model: torch.nn.Module, reduce_scatter: str = "collective", *, weight
     if not states:
         raise ValueError("torch_ce.fsdp2.enable: no fully_shard'ed module in this model")
     G.lazy_init(model)
-    for _, m, _ in states:
+    for name, m, state in states:
+        _settle(name, state)
         m.reshard()  # the sharded parameters registered: what the bind and the net look at
     gs = G.find(model, weights)
     _enables[0] += 1
@@ -177,6 +178,31 @@ def enable(model: torch.nn.Module, reduce_scatter: str = "collective", *, weight
     e.finalizer.atexit = False
     _models.append(weakref.ref(e))
     return rows_of(e)
+
+
+def _settle(name: str, state) -> None:
+    """A forward or backward that raised (a peer's failure ended a gather's wait) leaves
+    FSDP2's module state mid-pass: ``FORWARD`` with some groups unsharded, which
+    ``reshard()`` then keeps (a root that does not reshard after forward), so this rank's
+    next forward would skip gathers its peers run. Back to idle first, so that
+    ``disable``/``enable`` is a full recovery on every rank."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    pgs = list(getattr(state, "_fsdp_param_groups", None) or [])  # per-parameter meshes: several
+    if not pgs:
+        try:
+            pgs = [g for g in (state._fsdp_param_group,) if g is not None]
+        except AssertionError:  # a torch that names several groups only in the plural
+            pgs = []
+    stuck = [s for s in (state, *pgs) if s._training_state != TrainingState.IDLE]
+    if not stuck:
+        return
+    log.warning("torch_ce.fsdp2: %s was left mid-pass (%s, a pass that raised): set idle before "
+                "binding", name, stuck[0]._training_state)
+    for s in stuck:
+        s._training_state = TrainingState.IDLE
+    for pg in pgs:
+        pg._all_gather_result = None
 
 
 def _install_reduce_scatters(gs: list) -> None:
