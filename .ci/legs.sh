@@ -30,7 +30,7 @@
 # it imports), the passes (goldens, rank independence, reorder), the
 # no-hang fuzz, the uneven shards, the zoo's default case and weights that change (the
 # protocol leans on DTensor version-counter behaviour that may move between releases).
-FAST_TESTS="test/test_protocol_core_host.py test/test_fsdp2_host.py test/test_fsdp2_reduce_scatter_host.py test/test_build.py test/test_torch_features.py test/test_graph_trainer.py test/test_passes_golden.py test/test_dim1_golden.py test/test_dim1_passes.py test/test_rank_independent.py test/test_reorder.py test/test_no_hang.py test/test_uneven_host.py test/test_zoo_matrix.py test/test_weight_updates_host.py test/test_write_paths_host.py"
+FAST_TESTS="test/test_fsdp2_host.py test/test_fsdp2_reduce_scatter_host.py test/test_build.py test/test_torch_features.py test/test_graph_trainer.py test/test_passes_golden.py test/test_dim1_golden.py test/test_dim1_passes.py test/test_rank_independent.py test/test_reorder.py test/test_no_hang.py test/test_uneven_host.py test/test_zoo_matrix.py test/test_weight_updates_host.py test/test_write_paths_host.py"
 
 # Slow cases the fast legs run all the same (test/conftest.py): the default suite leaves them
 # out for its 15 minutes on 2 cores, and each runs on one fast leg, for CI's 90 minutes.
