@@ -1,8 +1,9 @@
-// torch_ce: the copy-engine reduce-scatter's stream flags (declared in ce_flags.h;
-// registered by ce_ops.cu): the driver's stream waits and writes, what the device
-// supports, the watchdog's host writes, host memory mapped for the flags (NOTE [poison
-// word]) and the batches of flag operations (MemOps) the native reduce-scatter enqueues
-// (NOTE [native reduce-scatter path] in ce_reduce_scatter.cu). Host code only.
+// torch_ce: stream flags (declared in ce_flags.h; registered by ce_ops.cu): the driver's
+// stream waits and writes, what the device supports, the watchdog's host writes, host
+// memory mapped for the flags (NOTE [poison word]), the batches of flag operations
+// (MemOps) the native reduce-scatter enqueues (NOTE [native reduce-scatter path] in
+// ce_reduce_scatter.cu), and FSDP2's training gather (NOTE [FSDP2 step words on CUDA]).
+// Host code only.
 //
 // # NOTE [stream flags]
 // The copy-engine reduce-scatter's signals (NOTE [copy-engine reduce-scatter] in
@@ -30,6 +31,7 @@
 // stream of its own, by the path measured to release a blocked wait (below).
 
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <cuda_runtime_api.h>
@@ -41,6 +43,7 @@
 #include <atomic>
 #include <cstddef>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "ce_flags.h"
@@ -239,6 +242,128 @@ void MemOps::enqueue() {
   static auto fn = reinterpret_cast<StreamBatchMemOpFn>(driver_entry("cuStreamBatchMemOp"));
   int rc = fn(stream_, n, ops_, 0u);
   TORCH_CHECK(rc == 0, "torch_ce: cuStreamBatchMemOp of ", n, " operations failed (CUresult ", rc, ")");
+}
+
+// # NOTE [FSDP2 step words on CUDA]
+// The step-word protocol of a training group's gathers (NOTE [FSDP2 training: step words]
+// in torch_ce/fsdp2/signals.py) as stream operations, so no host thread waits. Each rank's
+// two words (ready, done) are 32-bit words in host memory every rank of the group maps
+// and registers (a host window of the group, torch_ce/fsdp2/step_words.py), written by
+// their owner's stream (cuStreamWriteValue32, with its memory barrier: the staged chunk is
+// visible before ``ready`` says so; the peer copies are complete before ``done`` does) and
+// waited on by the peers' streams (cuStreamWaitValue32 GEQ, cyclic). Call k, on the
+// current stream (FSDP2's all-gather stream: its copy-in first, its copy-out after):
+//   4. of call k-1: done = k - 1 (its peer copies are complete: they are before it)
+//   1. wait until every peer's done >= k - 1 (none still reads this rank's call k-1 bytes)
+//   2. buffer <- input (this rank's chunk, a copy-engine copy); ready = k
+//   3. per peer (the caller's order): wait until its ready >= k; its buffer -> out's row
+// Step 4 of a call is written at the head of the next, in one batch with step 1's waits:
+// one driver call fewer per call (each ~2 us of host time). It delays nothing a peer
+// needs: a peer waits for this rank's done >= k - 1 only in its own call k, which cannot
+// finish before this rank's call k has staged its chunk anyway, and this rank writes
+// that done before it waits on anything of call k. After a group's last call nothing
+// waits, so nothing needs its done. GEQ, not EQ: the watchdog releases every
+// wait of a group at once by storing the highest call enqueued into the peers' words (a
+// host store: it releases a stream wait under one hardware queue too). Not capturable:
+// the call numbers are the host's.
+namespace {
+
+// A training group's fixed arguments, registered once (``step_group``): an op call with
+// tensor and integer lists costs several microseconds of argument conversion per call.
+struct StepGroup {
+  std::vector<const void*> srcs;  // the peers' staging buffers, in the caller's peer order
+  std::vector<int64_t> rows;      // their rows of the output
+  std::vector<uint64_t> ready, done;  // their words' addresses
+  uint64_t my_ready = 0, my_done = 0;
+  size_t nbytes = 0;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+};
+std::mutex g_step_mu;
+std::unordered_map<int64_t, StepGroup> g_step;
+int64_t g_step_next = 1;
+
+}  // namespace
+
+int64_t step_group(at::TensorList srcs, at::IntArrayRef rows, at::IntArrayRef peer_ready,
+                   at::IntArrayRef peer_done, int64_t my_ready, int64_t my_done) {
+  TORCH_CHECK(!srcs.empty() && srcs.size() == rows.size() && srcs.size() == peer_ready.size() &&
+                  srcs.size() == peer_done.size(),
+              "torch_ce: step_group: one row, ready word and done word per peer buffer");
+  StepGroup g;
+  g.nbytes = static_cast<size_t>(srcs[0].numel()) * srcs[0].element_size();
+  g.dtype = srcs[0].scalar_type();
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    const at::Tensor& x = srcs[i];
+    TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.scalar_type() == g.dtype &&
+                    static_cast<size_t>(x.numel()) * x.element_size() == g.nbytes && rows[i] >= 0,
+                "torch_ce: step_group: peer buffers are contiguous CUDA tensors of one dtype and size");
+    g.srcs.push_back(x.data_ptr());
+    g.rows.push_back(rows[i]);
+    g.ready.push_back(static_cast<uint64_t>(peer_ready[i]));
+    g.done.push_back(static_cast<uint64_t>(peer_done[i]));
+  }
+  g.my_ready = static_cast<uint64_t>(my_ready);
+  g.my_done = static_cast<uint64_t>(my_done);
+  std::lock_guard<std::mutex> lk(g_step_mu);
+  const int64_t id = g_step_next++;
+  g_step.emplace(id, std::move(g));
+  return id;
+}
+
+void step_forget(int64_t group) {
+  std::lock_guard<std::mutex> lk(g_step_mu);
+  g_step.erase(group);
+}
+
+void step_gather(const at::Tensor& out, const at::Tensor& input, const at::Tensor& buffer, int64_t group,
+                 int64_t call) {
+  const StepGroup* g = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(g_step_mu);
+    auto it = g_step.find(group);
+    TORCH_CHECK(it != g_step.end(), "torch_ce: step_gather: group ", group, " is not registered");
+    g = &it->second;  // stable: unordered_map nodes do not move; forgotten only by its owner
+  }
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && input.is_contiguous() && buffer.is_contiguous(),
+              "torch_ce: step_gather: contiguous CUDA tensors");
+  TORCH_CHECK(call >= 1 && call < (int64_t{1} << 31), "torch_ce: step_gather: call ", call, " out of range");
+  const size_t nbytes = g->nbytes;
+  TORCH_CHECK(static_cast<size_t>(input.numel()) * input.element_size() == nbytes &&
+                  static_cast<size_t>(buffer.numel()) * buffer.element_size() == nbytes &&
+                  input.scalar_type() == g->dtype && out.scalar_type() == g->dtype,
+              "torch_ce: step_gather: the input and the staging buffer are the group's chunk");
+  const size_t out_bytes = static_cast<size_t>(out.numel()) * out.element_size();
+  const int device = out.device().index();
+  const c10::cuda::CUDAGuard guard(out.device());
+  // On the current stream itself (FSDP2's all-gather stream): its copy-in is before, its
+  // copy-out after, and FSDP2's next gather behind (it runs them in one order on every
+  // rank); no event, and the output is not used on another stream.
+  cudaStream_t s = c10::cuda::getCurrentCUDAStream(device).stream();
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  CE_CUDA_CHECK(cudaStreamIsCapturing(s, &cap), "cudaStreamIsCapturing");
+  TORCH_CHECK(cap == cudaStreamCaptureStatusNone,
+              "torch_ce: an FSDP2 training gather cannot be captured in a CUDA graph (its step "
+              "numbers are the host's)");
+  for (int64_t r : g->rows)
+    TORCH_CHECK(static_cast<size_t>(r + 1) * nbytes <= out_bytes, "torch_ce: step_gather: row ", r,
+                " is outside the output");
+  const auto k = static_cast<uint32_t>(call);
+  MemOps ops(s, device);
+  if (k > 1) {
+    ops.write(g->my_done, k - 1);  // 4. of call k-1
+    for (uint64_t a : g->done) ops.wait_geq(a, k - 1);  // 1.
+    ops.enqueue();
+  }
+  CE_CUDA_CHECK(cudaMemcpyAsync(buffer.data_ptr(), input.data_ptr(), nbytes, cudaMemcpyDeviceToDevice, s),
+                "cudaMemcpyAsync");  // 2.
+  ops.write(g->my_ready, k);
+  char* base = static_cast<char*>(out.data_ptr());
+  for (size_t i = 0; i < g->srcs.size(); ++i) {  // 3.
+    ops.wait_geq(g->ready[i], k);
+    ops.enqueue();
+    CE_CUDA_CHECK(cudaMemcpyAsync(base + g->rows[i] * nbytes, g->srcs[i], nbytes, cudaMemcpyDefault, s),
+                  "cudaMemcpyAsync");
+  }
 }
 
 }  // namespace torch_ce_native

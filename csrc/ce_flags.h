@@ -1,9 +1,9 @@
-// torch_ce: the copy-engine reduce-scatter's stream flags (NOTE [stream flags] in
-// ce_flags.cu, which defines them): the flag ops ce_ops.cu registers, and MemOps, the
-// batches of flag waits and writes the native reduce-scatter enqueues
-// (ce_reduce_scatter.cu). Free of torch headers.
+// torch_ce: stream flags (NOTE [stream flags] in ce_flags.cu, which defines them): the
+// flag ops ce_ops.cu registers, MemOps (the batches of flag waits and writes the native
+// reduce-scatter and FSDP2's training gathers enqueue), and the training gather's call.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <cuda_runtime_api.h>
 
 #include <stdint.h>
@@ -26,6 +26,16 @@ bool rs_memop_batching(int64_t mode);
 
 // The wait's flags for ``device``: EQ, and FLUSH where the device can flush remote writes.
 unsigned int wait_flags(int device);
+
+// FSDP2's training gathers on CUDA (NOTE [FSDP2 step words on CUDA] in ce_flags.cu): a
+// group's peer buffers and word addresses registered once (an id), and one call: the
+// step-word waits and writes, this rank's chunk staged, the peers' chunks copied into
+// ``out``, all enqueued on the current stream.
+int64_t step_group(at::TensorList srcs, at::IntArrayRef rows, at::IntArrayRef peer_ready,
+                   at::IntArrayRef peer_done, int64_t my_ready, int64_t my_done);
+void step_forget(int64_t group);
+void step_gather(const at::Tensor& out, const at::Tensor& input, const at::Tensor& buffer, int64_t group,
+                 int64_t call);
 
 // A call's flag waits and writes as batches: cuStreamBatchMemOp enqueues its operations
 // in array order, each as its single call would (a wait EQ, FLUSH where the device has it;
@@ -51,6 +61,9 @@ class MemOps {
   MemOps(cudaStream_t stream, int device)
       : stream_(stream), wait_flags_(wait_flags(device)) {}
   void wait(uint64_t addr, uint32_t value) { add(1u, addr, value, wait_flags_); }
+  // A wait until the word is at least ``value`` (CU_STREAM_WAIT_VALUE_GEQ, cyclic: the
+  // comparison bits of the EQ flags cleared), FLUSH as ``wait``.
+  void wait_geq(uint64_t addr, uint32_t value) { add(1u, addr, value, wait_flags_ & ~0x3u); }
   // A write with the default memory barrier before it (the stream's earlier writes visible
   // first).
   void write(uint64_t addr, uint32_t value) { add(2u, addr, value, 0u); }

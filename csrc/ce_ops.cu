@@ -7,9 +7,10 @@
 //   ce_reduce_scatter.cu  the copy-engine reduce-scatter's native launch and completion
 //                         (NOTE [native reduce-scatter path]; its reduction kernel:
 //                         ce_reduce.cu), behind integer handles
-//   ce_flags.cu           the reduce-scatter's stream flags (NOTE [stream flags]): driver
-//                         stream waits and writes, their batches, the watchdog's host
-//                         writes, host-mapped flag memory (NOTE [poison word])
+//   ce_flags.cu           stream flags (NOTE [stream flags]): driver stream waits and
+//                         writes, their batches, the watchdog's host writes, host-mapped
+//                         flag memory (NOTE [poison word]), FSDP2's training gather
+//                         (NOTE [FSDP2 step words on CUDA])
 // with ce_native.h (what they share) and a header each declaring what is registered here.
 // Host code only: the host C++ compiler builds these files too (no kernel is defined in
 // them).
@@ -79,6 +80,12 @@ TORCH_LIBRARY(torch_ce_native, m) {
   m.def("relax_thread_capture_mode() -> int", &relax_thread_capture_mode);
   m.def("rs_timing(int mode) -> float[]", &rs_timing);
   m.def("peer_copy_into(Tensor(a!) out, Tensor[] srcs, int[] rows) -> ()", &peer_copy_into);
+  // NOTE [FSDP2 step words on CUDA]
+  m.def("step_group(Tensor[] srcs, int[] rows, int[] peer_ready, int[] peer_done, int my_ready, "
+        "int my_done) -> int", &step_group);
+  m.def("step_forget(int group) -> ()", &step_forget);
+  m.def("step_gather(Tensor(a!) out, Tensor input, Tensor(b!) buffer, int group, int call) -> ()",
+        &step_gather);
 }
 
 TORCH_LIBRARY_IMPL(torch_ce_native, CompositeImplicitAutograd, m) {

@@ -66,6 +66,28 @@ def dit_inputs(seed: int, batch: int = 2, tokens: int = 6, ctx: int = 5):
             torch.rand(batch, 1, generator=g))
 
 
+def per_param_mesh(world: int):
+    """A ``shard_placement_fn`` that shards every 1-D parameter (biases) over another
+    process group of the same ranks: two FSDP param groups per module (torch >= 2.12's
+    per-parameter meshes, as MoE experts on their own mesh), or None on a torch without."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    except ImportError:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard
+
+    other = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")
+    info = _get_mesh_info(other, None)
+
+    def fn(p):
+        return ShardPlacementResult(placement=Shard(0), mesh_info=info) if p.dim() == 1 else None
+
+    return fn
+
+
 def shard_dit(model: DiT, mesh, param_dtype=None, **kw) -> DiT:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -77,12 +99,12 @@ def shard_dit(model: DiT, mesh, param_dtype=None, **kw) -> DiT:
 
 
 def build(family: str, mesh, seed: int, *, param_dtype=None, train: bool, compile_blocks: bool = False,
-          force_sum: bool = True):
+          force_sum: bool = True, shard_kw: dict | None = None):
     """``family`` ("llama3", "qwen3", "dit") from ``seed`` (the same weights on every rank),
     ``fully_shard``ed as torchtitan's trainer does (blocks compiled first when asked), in
     train mode with grads or in eval mode without. ``force_sum=False`` keeps torchtitan's
     ``PREMUL_SUM(1.0)`` (the caller then gives the reference run a comm gloo can run:
-    ``premul_reference``)."""
+    ``premul_reference``). ``shard_kw``: more ``fully_shard`` arguments (the DiT's)."""
     torch.manual_seed(seed)
     if family == "dit":
         net = DiT()
@@ -101,7 +123,7 @@ def build(family: str, mesh, seed: int, *, param_dtype=None, train: bool, compil
     if not train:
         net.requires_grad_(False)
     if family == "dit":
-        return shard_dit(net, mesh, param_dtype)
+        return shard_dit(net, mesh, param_dtype, **(shard_kw or {}))
     # Blocks, embeddings, norm + head, and the root, as torchtitan's trainer shards them.
     _apply_fsdp_to_decoder(net, mesh, param_dtype or torch.float32, torch.float32)
     # Its gradient divide factor 1.0 reduces with PREMUL_SUM, which gloo lacks: SUM (the

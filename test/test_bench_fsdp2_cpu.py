@@ -44,7 +44,7 @@ def test_loopback_on_the_host_transport(tmp_path, capsys):
     data = json.loads((tmp_path / "fsdp2_loopback_cpu.json").read_text())
     r = data["per_size"]["0.25"]
     assert r["exact"] is True and r["ce_us"] > 0 and r["collective_us"] > 0, r
-    assert "torch_ce hook us/call" in capsys.readouterr().out
+    assert "static hook us/call" in capsys.readouterr().out
 
 
 def test_loopback_without_a_gpu_says_why(tmp_path, capsys, monkeypatch):

@@ -54,7 +54,8 @@ def _rows_ok(rows) -> dict:
 
     cov = torch_ce.fsdp2.coverage(rows)
     return dict(share=cov["share"], statuses=sorted({r.status for r in rows}),
-                reasons=sorted({r.reason for r in rows if r.reason}), calls=min(r.calls for r in rows))
+                reasons=sorted({r.reason for r in rows if r.reason}), calls=min(r.calls for r in rows),
+                modules=[r.module for r in rows])
 
 
 def infer(rank, world, seed, fam, param_dtype=None, compile_blocks=False, late=False, hsdp=False) -> dict:
@@ -82,14 +83,17 @@ def infer(rank, world, seed, fam, param_dtype=None, compile_blocks=False, late=F
 
 
 def train(rank, world, seed, fam, param_dtype=None, steps=5, late=False, reduce_scatter="collective",
-          hsdp=False) -> dict:
+          hsdp=False, param_groups=False) -> dict:
     """5 AdamW steps of FSDP2's own path and of torch_ce's, from the same weights.
 
     ``reduce_scatter="copy_engine"``: torch_ce's run reduce-scatters the gradients on the
     copy-engine protocol too, with torchtitan's own op for the Llama3 / Qwen3 models
     (``PREMUL_SUM(1.0)``; the reference: gloo's sum of the premultiplied gradients, as NCCL
     runs it), and a late rank also waits inside a backward (the protocol's pushes). Beside
-    the losses: what explain() says of the run (its rows and the reduce-scatter bytes)."""
+    the losses: what explain() says of the run (its rows and the reduce-scatter bytes).
+    ``param_groups``: the DiT with two param groups per module (its biases on another
+    process group: ``fsdp2_models.per_param_mesh``) and a gradient divide factor of 2
+    under ``force_sum_reduction_for_comms`` (FSDP2 divides; the comm sums)."""
     import fsdp2_models as M
     import torch_ce
     from torch_ce.runtime import reduce_scatter as RS
@@ -99,7 +103,15 @@ def train(rank, world, seed, fam, param_dtype=None, steps=5, late=False, reduce_
     mesh = _mesh(world, hsdp)
     losses = {}
     for which in ("fsdp2", "torch_ce"):
-        m = M.build(fam, mesh, seed, param_dtype=param_dtype, train=True, force_sum=not premul)
+        kw = dict(shard_kw=dict(shard_placement_fn=M.per_param_mesh(world))) if param_groups else {}
+        m = M.build(fam, mesh, seed, param_dtype=param_dtype, train=True, force_sum=not premul, **kw)
+        if param_groups:
+            from torch.distributed.fsdp import FSDPModule
+
+            for mod in m.modules():
+                if isinstance(mod, FSDPModule):
+                    mod.set_gradient_divide_factor(2.0)
+                    mod.set_force_sum_reduction_for_comms(True)
         if premul and which == "fsdp2":
             M.premul_reference(m)
         if which == "torch_ce":
@@ -246,7 +258,8 @@ class _OwnGather:
 
 
 def refusals(rank, world, seed) -> dict:
-    """What keeps FSDP2's own all-gather, with the reason, and still gives its results."""
+    """What keeps FSDP2's own all-gather, with the reason, and still gives its results; and
+    a module with several param groups, which is served."""
     import fsdp2_models as M
     import torch_ce
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -345,6 +358,9 @@ def _rank_all(rank, world, seed, cache_dir):
     for fam, dt in TRAIN_CE_RS:  # gathers and reduce-scatters on the copy engines
         run(f"train/{fam}/{_dt(dt)}/ce_rs", train, fam, dt, reduce_scatter="copy_engine",
             late=fam == "llama3" and dt is None)
+    if has_per_param_meshes():  # torch >= 2.12
+        run("train/dit/param_groups/ce_rs", train, "dit", reduce_scatter="copy_engine", param_groups=True,
+            late=True)
     run("update/llama3/load_state_dict", update, "llama3")
     run("update/dit/bf16/copy_", update, "dit", torch.bfloat16, path="copy_", late=False)
     run("timeout", timeout)
@@ -375,8 +391,14 @@ CE_RS_CASES = [f"train/{f}/{_dt(dt)}/ce_rs" for f, dt in TRAIN_CE_RS]
 
 
 @pytest.mark.parametrize("case", ["train/llama3/fp32", "train/qwen3/bf16", "train/dit/fp32", "train/dit/bf16",
-                                  *CE_RS_CASES])
+                                  *CE_RS_CASES, "train/dit/param_groups/ce_rs"])
 def test_training_losses_bit_identical(results, case):
+    if case not in results[0]:
+        assert not has_per_param_meshes()  # torch 2.11: no way to make two groups
+        pytest.skip("torch < 2.12: no per-parameter meshes")
+    if "param_groups" in case:  # two param groups per module (the root and 2 blocks), each its own row
+        assert all(sum(m.endswith("[1]") for m in res[case]["modules"]) == 3 for res in results), \
+            results[0][case]["modules"]
     for rank, res in enumerate(results):
         r = res[case]
         assert r["losses"]["torch_ce"] == r["losses"]["fsdp2"], (rank, r["losses"])
@@ -477,12 +499,16 @@ def has_per_param_meshes() -> bool:
 
 
 def test_refusals_keep_fsdp2_and_say_why(results):
-    want = {"cpu offload": "CPU offload", "param groups": "param groups on one module", "custom comm": "a custom all-gather is set"}
+    want = {"cpu offload": "CPU offload", "custom comm": "a custom all-gather is set"}
     for rank, res in enumerate(results):
+        if "param groups" not in res["refusals"]:
+            assert not has_per_param_meshes()  # torch 2.11: no way to make two groups
+        else:  # a module with several param groups: each group served (its own comm)
+            r = res["refusals"]["param groups"]
+            assert "error" not in r and r["equal"] is True, (rank, r)
+            assert {row[1] for row in r["rows"]} == {"bound"}, (rank, r["rows"])
+            assert sum(row[0].endswith("[1]") for row in r["rows"]) == 2, (rank, r["rows"])  # 2 blocks' biases
         for case, text in want.items():
-            if case == "param groups" and case not in res["refusals"]:
-                assert not has_per_param_meshes()  # torch 2.11: no way to make two groups
-                continue
             r = res["refusals"][case]
             assert "error" not in r, (rank, case, r)
             assert r["equal"] is True, (rank, case, r)
@@ -506,7 +532,7 @@ def test_integer_reshard_after_forward_is_refused():
     fp = _Stub(offload_to_cpu=False, _sharded_local_tensor=torch.zeros(2))
     pg = _Stub(fsdp_params=[fp], _all_gather_process_group=_Stub(size=lambda: 4),
                offload_policy=None, _use_post_forward_mesh=True, _all_gather_comm=DefaultAllGather())
-    g = groups.judge("layers.0", None, None, pg, 1, "auto")
+    g = groups.judge("layers.0", None, None, pg, "auto")
     assert "integer reshard_after_forward" in g.reason and not g.mode
 
 

@@ -387,7 +387,7 @@ def test_watchdog_frees_its_calls_before_it_leaves(monkeypatch):
         while (len(freed) <= k or WD._watcher) and time.monotonic() < deadline:
             time.sleep(0.005)
         assert len(freed) == k + 1 and not WD._watcher, (freed, WD._watcher)
-    assert freed == [("torch_ce_rs_watchdog", True)] * 3, freed
+    assert freed == [("torch_ce_watchdog", True)] * 3, freed
 
 
 def test_watchdog_starts_a_native_calls_deadline_at_its_completion(monkeypatch):

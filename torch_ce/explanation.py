@@ -270,7 +270,17 @@ class Explanation:
             torch=self.torch,
             fsdp2=[dataclasses.asdict(r) for r in self.fsdp2],
             fsdp2_totals=self.fsdp2_totals(),
+            fsdp2_hint=self.fsdp2_hint(),
         )
+
+    def fsdp2_hint(self) -> str:
+        """One line where training groups were gathered only with grad off (what to set for
+        inference: fsdp2/report.py ``inference_hint``), or ""."""
+        if not self.fsdp2:
+            return ""
+        from .fsdp2.report import inference_hint
+
+        return inference_hint(self.fsdp2)
 
     def fsdp2_totals(self) -> dict:
         """What the FSDP2 groups' calls moved since enable(): all-gather output and

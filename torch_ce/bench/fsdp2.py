@@ -36,8 +36,10 @@ given (the numbers mean nothing).
 hook (``torch_ce.fsdp2.comm.CopyEngineAllGather``, called as FSDP2 calls it) on a loopback
 slot (the "peer" chunk a second local tensor: symmetric memory refuses two ranks on one
 device, and a static call's host work does not depend on where the peer copy lives) next to
-NCCL's ``all_gather_into_tensor`` on a one-rank group, per chunk size. Writes
-``<out>/fsdp2_loopback_<gpu>.json``. With ``--device cpu``: the host transport and gloo.
+NCCL's ``all_gather_into_tensor`` on a one-rank group, per chunk size; on CUDA also the
+training hook (the step words' call, NOTE [FSDP2 step words on CUDA]) at a simulated world
+of 2 (``loopback_training_comms``). Writes ``<out>/fsdp2_loopback_<gpu>.json``. With
+``--device cpu``: the host transport and gloo.
 """
 from __future__ import annotations
 
@@ -509,6 +511,41 @@ def loopback_comm(mine, peer):
     return comm
 
 
+def loopback_training_comms(buffers: list, words: list | None = None) -> list:
+    """torch_ce's FSDP2 all-gather of a training group, one comm per simulated rank of a
+    ``len(buffers)``-rank group on one device (NOTE [FSDP2 training: step words]): rank
+    i's staging buffer is ``buffers[i]``, its peers read the others; the step words are
+    ``words[i]`` (int32 [2] each; default: pinned host memory, which a CUDA stream can
+    wait on at its own address). Call them as FSDP2 would, each rank on a stream of its
+    own: the steps' waits then order them as they order ranks."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from ..fsdp2.chunks import Bound
+    from ..fsdp2.comm import CopyEngineAllGather
+    from ..fsdp2.groups import Group
+    from ..runtime import windows as W
+
+    world, x = len(buffers), buffers[0]
+    if words is None:
+        words = [torch.zeros(2, dtype=torch.int32, pin_memory=x.is_cuda) for _ in range(world)]
+    group = dist.group.WORLD
+    nbytes = x.numel() * x.element_size()
+    comms = []
+    for i, mine in enumerate(buffers):
+        w = W.Window(("loopback", group.group_name), 0, nbytes, group, tuple(range(world)), i, mine.device,
+                     mine.view(-1).view(torch.uint8), used=nbytes)
+        slot = W.Slot(w, 0, nbytes, tuple(mine.shape), mine.dtype, "loopback")
+        slot.peer_views = list(buffers)
+        g = Group("loopback training", None, None, mode="staged", numel=mine.numel(), dtype=mine.dtype)
+        comm = CopyEngineAllGather(g, Bound(slot, mine, types.SimpleNamespace(peer_views=words)), 60.0)
+        comm._group_ok = group  # the one-rank group FSDP2 would pass cannot be the simulated one
+        comms.append(comm)
+    return comms
+
+
 def _per_call_us(fn, calls: int, cuda: bool) -> float:
     import torch
 
@@ -523,6 +560,44 @@ def _per_call_us(fn, calls: int, cuda: bool) -> float:
     if cuda:
         torch.cuda.synchronize()
     return us
+
+
+def _training_loopback(n: int, dev, calls: int, group) -> tuple:
+    """Host time per call of the training hook (NOTE [FSDP2 step words on CUDA]) at a
+    simulated world of 2 on one GPU: the two ranks' calls alternate, each on its own
+    stream, as FSDP2 calls them; then the last gathers checked exact. The simulated ranks'
+    stream switches are timed alone too: FSDP2 calls every hook, NCCL's included, inside
+    its all-gather stream already, so the comparison with NCCL's call takes them out.
+    (us with the switches, the switches' us, exact)."""
+    import torch
+
+    bufs = [torch.empty(n, dtype=torch.bfloat16, device=dev) for _ in range(2)]
+    comms = loopback_training_comms(bufs)
+    chunks = [torch.randn(n, device=dev).to(torch.bfloat16) for _ in range(2)]
+    outs = [c.allocate((2 * n,), dtype=torch.bfloat16, device=dev) for c in comms]
+    streams = [torch.cuda.Stream(dev) for _ in comms]
+    for i, o in enumerate(outs):
+        o[i * n:(i + 1) * n].copy_(chunks[i])
+    torch.cuda.synchronize()
+
+    def pair():
+        for i, c in enumerate(comms):
+            with torch.cuda.stream(streams[i]):
+                c(output_tensor=outs[i], input_tensor=outs[i][i * n:(i + 1) * n], group=group, async_op=False)
+
+    def switches():
+        for s in streams:
+            with torch.cuda.stream(s):
+                pass
+
+    # Host time: at most ~100 pairs per timed loop, so the streams' queues never fill and
+    # block the host on the device (each step's waits cross the two streams).
+    rounds = max(calls // 200, 1)
+    us = min(_per_call_us(pair, 100, True) for _ in range(rounds)) / 2
+    switch_us = min(_per_call_us(switches, 100, True) for _ in range(rounds)) / 2
+    torch.cuda.synchronize()
+    want = torch.cat(chunks)
+    return us, switch_us, all(bool(torch.equal(o, want)) for o in outs)
 
 
 def loopback(a) -> int:
@@ -573,16 +648,25 @@ def loopback(a) -> int:
             if cuda:
                 torch.cuda.synchronize()
                 exact = exact and bool(torch.equal(out, torch.cat([mine, peer])))
+            raw_us, switch_us, train_exact = (_training_loopback(n, dev, a.calls, group) if cuda
+                                              else (None, None, None))
+            train_us = None if raw_us is None else raw_us - switch_us
+            if train_exact is not None:
+                exact = exact and train_exact
             res[str(mib)] = dict(ce_us=ce_us, ce_python_us=py_us, collective_us=coll_us, exact=exact,
-                                 ce_native=bool(comm._native))
-            rows.append([f"{mib:g}", f"{ce_us:.1f}", f"{py_us:.1f}", f"{coll_us:.1f}", f"{ce_us / coll_us:.2f}",
-                         "yes" if exact else "NO"])
+                                 ce_native=bool(comm._native), ce_training_us=train_us,
+                                 ce_training_with_switch_us=raw_us, stream_switch_us=switch_us,
+                                 training_exact=train_exact)
+            rows.append([f"{mib:g}", f"{ce_us:.1f}", f"{py_us:.1f}",
+                         "-" if train_us is None else f"{train_us:.1f}", f"{coll_us:.1f}", f"{ce_us / coll_us:.2f}",
+                         "-" if train_us is None else f"{train_us / coll_us:.2f}", "yes" if exact else "NO"])
             del mine, peer, out, one, comm, py_comm
     finally:
         dist.destroy_process_group()
     path = os.path.join(a.out, f"fsdp2_loopback_{C.gpu_tag(torch.cuda.get_device_name(dev)) if cuda else 'cpu'}.json")
     C.write_json(path, dict(args=vars(a), per_size=res, collective="nccl" if cuda else "gloo"), C.env_info(1))
-    print(C.format_table(["chunk MiB", "torch_ce hook us/call", "(Python reads)", f"{backend} all_gather us/call (1 rank)",
-                          "ratio", "exact"], rows), flush=True)
+    print(C.format_table(["chunk MiB", "static hook us/call", "(Python reads)", "training hook us/call (switches out)",
+                          f"{backend} all_gather us/call (1 rank)", "static ratio", "training ratio", "exact"],
+                         rows), flush=True)
     print(f"wrote {path}", flush=True)
     return 0 if all(r["exact"] for r in res.values()) else 1

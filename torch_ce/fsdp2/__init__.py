@@ -1,5 +1,6 @@
 """torch_ce for FSDP2 (``fully_shard``) models: their weight all-gathers on the copy
-engines (on CPU: the host transport), through FSDP2's own hook, ``set_custom_all_gather``.
+engines (on CPU: the host transport), through FSDP2's own hook (``set_custom_all_gather``'s
+comm, set per param group).
 
 FSDP2 gathers eagerly, outside any compiled graph, so the Inductor passes never see its
 gathers; ``enable(model)`` serves them instead, param group by param group::
@@ -151,6 +152,7 @@ def enable(model: torch.nn.Module, reduce_scatter: str = "collective", *, weight
     cuda = [g for g in gs if not g.reason and g.fsdp_params[0]._sharded_param_data.is_cuda]
     if cuda:  # this rank's reads are done before the round (NOTE [windows of one owner])
         torch.cuda.synchronize()
+        _flush_host_words()
     try:
         with WP.owned_pools(owner):
             bounds = chunks.bind(gs)
@@ -168,7 +170,9 @@ def enable(model: torch.nn.Module, reduce_scatter: str = "collective", *, weight
             continue
         comms[id(g)] = c = CopyEngineAllGather(g, b, t)
         g.comm, g.saved_comm = c, g.param_group._all_gather_comm
-        g.module.set_custom_all_gather(c)
+        # What set_custom_all_gather sets, per param group: it refuses a module with
+        # several (per-parameter meshes), where each group's comm is its own here.
+        g.param_group._all_gather_comm = c
     if reduce_scatter == "copy_engine":
         _install_reduce_scatters(gs)
     _count(gs)
@@ -178,6 +182,14 @@ def enable(model: torch.nn.Module, reduce_scatter: str = "collective", *, weight
     e.finalizer.atexit = False
     _models.append(weakref.ref(e))
     return rows_of(e)
+
+
+def _flush_host_words() -> None:
+    """The step words' host mappings no group holds any more, unregistered (this rank's
+    device synchronized first: fsdp2/step_words.py)."""
+    step_words = sys.modules.get(f"{__name__}.step_words")
+    if step_words is not None:
+        step_words.flush()
 
 
 def _settle(name: str, state) -> None:
@@ -220,7 +232,7 @@ def _install_reduce_scatters(gs: list) -> None:
             sink("copy-engine reduce-scatter not available")
             continue
         g.saved_rs_comm = g.param_group._reduce_scatter_comm
-        if _rs.install(g.module, g.process_group, sink, name=g.name) and not g.rs_reason:
+        if _rs.install_group(g.param_group, sink, name=g.name) and not g.rs_reason:
             g.rs_reason = "copy engine"
 
 
@@ -286,9 +298,6 @@ def disable(model: torch.nn.Module) -> None:
         if g.saved_comm is not None:
             g.param_group._all_gather_comm = g.saved_comm
         if g.saved_rs_comm is not None:
-            uninstall = getattr(sys.modules.get(f"{__name__}.reduce_scatter"), "uninstall", None)
-            if uninstall is not None:
-                uninstall(g.module)  # its own bookkeeping, then FSDP2's default
             g.param_group._reduce_scatter_comm = g.saved_rs_comm
         g.saved_comm = g.saved_rs_comm = None
         b = e.bounds.get(id(g))
@@ -296,6 +305,9 @@ def disable(model: torch.nn.Module) -> None:
             chunks.unbind(g, b)  # the weights leave the window
         g.comm = None
     e.disabled = True
+    if any(b.host_words is not None for b in e.bounds.values()):
+        torch.cuda.synchronize()  # no stream waits on the words any more
+        _flush_host_words()
     if e.finalizer is not None:
         e.finalizer.detach()
     WP.release_owner(e.owner)
@@ -334,6 +346,9 @@ def _on_update_exit(wanted) -> None:
 
 def _on_release() -> None:
     """``torch_ce.release_all()``: the bindings are gone; each comm refuses from now on."""
+    step_words = sys.modules.get(f"{__name__}.step_words")
+    if step_words is not None:
+        step_words.release_all()
     for e in _live():
         for c in e.comms.values():
             c.poison = ("torch_ce.fsdp2: torch_ce.release_all() dropped the windows this group "

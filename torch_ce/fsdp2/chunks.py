@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 import torch
 
@@ -50,6 +51,9 @@ class Bound:
     anchors: tuple = ()
     aliases: list = dataclasses.field(default_factory=list)
     _pairs: tuple = ()  # (__dict__, _sharded_param_data) per parameter: what ``views`` compares
+    # A CUDA training group's hold on its words' registered host mappings (its finalizer
+    # lets go of them: fsdp2/step_words.py).
+    host_words: object = None
 
     def views(self) -> bool:
         """Whether FSDP2 still gathers what the slot was made from (every gather of a static
@@ -58,6 +62,10 @@ class Bound:
             if d.get("_sharded_param_data") is not data:
                 return False
         return True
+
+
+def device_of(group: Group) -> torch.device:
+    return group.fsdp_params[0]._sharded_param_data.device
 
 
 def _fill(buffer: torch.Tensor, group: Group) -> None:
@@ -170,8 +178,8 @@ def bind(groups: list[Group]) -> dict[int, Bound]:
                       unwatched=_unwatched(g) if g.mode == "static" else [])
         cands.append(c)
         words = None
-        if g.mode == "staged":
-            wt = torch.zeros(2, dtype=torch.int64, device=device)
+        if g.mode == "staged":  # host memory on every device (fsdp2/step_words.py)
+            wt = torch.zeros(2, dtype=torch.int32)
             words = Candidate(f"{name}/step words", wt, g.process_group,
                               local_reason(wt, g.process_group, min_shard_bytes=0))
             cands.append(words)
@@ -201,6 +209,11 @@ def bind(groups: list[Group]) -> dict[int, Bound]:
         else:
             slot.watch = None  # refreshed every call: nothing for the net to see
             wslot.watch = None
+            if device_of(g).type == "cuda":
+                from . import step_words
+
+                step_words.hold(wslot)
+                b.host_words = weakref.finalize(b, step_words.let_go, step_words.bases(wslot))
         out[id(g)] = b
     return out
 
@@ -314,6 +327,8 @@ def unbind(group: Group, bound: Bound) -> None:
     """``disable()``: an in-place group's weights leave the window for memory of their own,
     values kept, so the window can go (NOTE [windows of one owner] in
     runtime/window_pools.py). Parameters FSDP2 already moved elsewhere stay there."""
+    if bound.host_words is not None:
+        bound.host_words()  # unregistered at the disable's flush, after its synchronize
     if group.mode != "static" or group.cast or not bound.anchors:
         return
     ours = {id(fp) for fp, d, data, _, _ in bound.anchors if d.get("_sharded_param_data") is data}

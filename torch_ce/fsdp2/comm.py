@@ -10,7 +10,9 @@ copies the parameters out. So a call only has to fill the peers' parts of the ou
   transport's memcpy; on CUDA the same reads as copies on torch_ce's copy stream, which
   waits on FSDP2's all-gather stream and which that stream then waits on (nothing on the
   host waits; FSDP2's own event after the call orders its copy-out).
-- staged (training): the step-word protocol (NOTE [FSDP2 training: step words]).
+- staged (training): the step-word protocol (NOTE [FSDP2 training: step words]); on CUDA
+  one C++ call enqueues its waits, copies and writes on FSDP2's all-gather stream itself
+  (fsdp2/step_words.py).
 
 Returning ``None`` tells FSDP2 the call is complete in stream order (its sync contract).
 """
@@ -33,6 +35,7 @@ class Served:
 
     calls: int = 0
     bytes: int = 0  # written by the calls (output bytes, NOTE [coverage bytes])
+    no_grad_calls: int = 0  # a training group's calls under no_grad / inference_mode (explain()'s hint)
 
 
 _copy_streams: dict = {}
@@ -63,6 +66,9 @@ class CopyEngineAllGather:
         self._group_ok = None  # the process group whose ranks matched (checked once)
         self._srcs = None  # (the peers' chunks, their rows) for the C++ peer copy
         self._native = None  # whether the C++ peer copy serves the CUDA reads (decided at the first)
+        self._step_reg = None  # a CUDA training group's C++ registration (made at its first call)
+        self._watch = None  # the watchdog's record while a CUDA training gather is pending
+        self._fast = None  # a CUDA training group's call once its first passed every check
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -95,6 +101,13 @@ class CopyEngineAllGather:
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  async_op: bool = False):
+        if self._fast is not None and group is self._group_ok:  # a CUDA training group's
+            self._fast(output_tensor, input_tensor)  # sizes, dtypes: checked in C++
+            self.served.calls += 1
+            self.served.bytes += self._out_bytes
+            if not torch.is_grad_enabled():
+                self.served.no_grad_calls += 1
+            return None
         self._check(output_tensor, input_tensor, group)
         out = output_tensor.view(self.world, -1)
         if self.group.mode == "static":
@@ -105,6 +118,8 @@ class CopyEngineAllGather:
             self._read(out)
         else:
             self._staged(out, input_tensor)
+            if not torch.is_grad_enabled():
+                self.served.no_grad_calls += 1
         self.served.calls += 1
         self.served.bytes += output_tensor.numel() * output_tensor.element_size()
         return None
@@ -139,6 +154,12 @@ class CopyEngineAllGather:
 
     def _staged(self, out: torch.Tensor, input_tensor: torch.Tensor) -> None:
         """One training call (NOTE [FSDP2 training: step words])."""
+        if out.is_cuda:
+            from . import step_words
+
+            self._out_bytes = out.numel() * out.element_size()
+            step_words.gather(self, out, input_tensor)  # sets ``_fast`` for the next calls
+            return
         k = self.calls + 1
         words = self.bound.words.peer_views
         mine = words[self.rank]

@@ -131,7 +131,7 @@ def _chunk_dtype(fsdp_params) -> tuple[torch.dtype | None, bool, str]:
     return dtypes.pop(), cast, ""
 
 
-def judge(name: str, module, state, pg, n_groups: int, weights: str) -> Group:
+def judge(name: str, module, state, pg, weights: str) -> Group:
     """One param group's verdict (``Group.reason`` empty: served), identical on every rank
     but for the local facts the bind's agreement then compares."""
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -148,9 +148,6 @@ def judge(name: str, module, state, pg, n_groups: int, weights: str) -> Group:
         g.process_group = pg._all_gather_process_group
     except Exception as e:  # noqa: BLE001 (DDP-style mesh: no shard group)
         return refuse(f"no shard process group ({type(e).__name__}: {e})")
-    if n_groups > 1:
-        return refuse(f"{n_groups} param groups on one module (per-parameter meshes from "
-                      "shard_placement_fn): FSDP2's set_custom_all_gather refuses such modules")
     if not fps:
         return refuse("no parameters")
     if isinstance(getattr(pg, "offload_policy", None), CPUOffloadPolicy) or any(fp.offload_to_cpu for fp in fps):
@@ -199,5 +196,5 @@ def find(model: torch.nn.Module, weights: str) -> list[Group]:
         pgs = param_groups(state)
         for i, pg in enumerate(pgs):
             label = name if len(pgs) == 1 else f"{name}[{i}]"
-            out.append(judge(label, module, state, pg, len(pgs), weights))
+            out.append(judge(label, module, state, pg, weights))
     return out

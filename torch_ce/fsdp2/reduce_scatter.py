@@ -1,4 +1,5 @@
-"""FSDP2's gradient reduce-scatter on the copy engines: ``set_custom_reduce_scatter``.
+"""FSDP2's gradient reduce-scatter on the copy engines: ``set_custom_reduce_scatter``'s comm,
+set per param group.
 
 FSDP2 (``fully_shard``) reduce-scatters one flat bucket per param group and backward:
 ``reduce_scatter_input`` of W * n elements (every gradient of the group, chunk j of each
@@ -18,7 +19,6 @@ a group of one, a refused transport) runs FSDP2's default collective, with the r
 """
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
@@ -26,11 +26,6 @@ import torch.distributed as dist
 
 from ..rs_reasons import RsReason
 from ..runtime import reduce_scatter as RS
-
-log = logging.getLogger("torch_ce")
-
-# module -> its comm (uninstall() removes it; weakly keyed: a dropped model leaves none)
-_INSTALLED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def op_text(op, divide_factor: float | None = None) -> str | None:
@@ -53,11 +48,15 @@ def op_text(op, divide_factor: float | None = None) -> str | None:
 
 
 def _divide_factor(module) -> float | None:
-    """The gradient divide factor FSDP2 made this module's op from (None: not set)."""
+    """The gradient divide factor FSDP2 made this module's op from (None: not set), of its
+    first param group (every group of a module gets the module's setting)."""
+    from .groups import param_groups
+
     try:
-        return module._get_fsdp_state()._fsdp_param_group.gradient_divide_factor
+        pgs = param_groups(module._get_fsdp_state())
     except AttributeError:
         return None
+    return getattr(pgs[0], "gradient_divide_factor", None) if pgs else None
 
 
 # FSDP2's comm interface. This module is imported only where FSDP2 is used (the first
@@ -70,22 +69,20 @@ class CopyEngineReduceScatter(ReduceScatter):
     protocol into ``output_tensor``. It holds its module weakly (the module's FSDP2 param
     group holds the comm)."""
 
-    def __init__(self, name: str, module=None):
+    def __init__(self, name: str, param_group=None):
         self.name = name
-        self._module = weakref.ref(module) if module is not None else (lambda: None)
+        self._group = weakref.ref(param_group) if param_group is not None else (lambda: None)
 
     def __repr__(self) -> str:
-        module = self._module()
-        of = f", module={type(module).__name__}" if module is not None else ""
-        return f"{type(self).__name__}(name={self.name!r}{of})"
+        return f"{type(self).__name__}(name={self.name!r})"
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False):
-        module = self._module()
-        text = op_text(op, _divide_factor(module) if module is not None else None)
+        pg = self._group()
+        text = op_text(op, getattr(pg, "gradient_divide_factor", None) if pg is not None else None)
         nbytes = input_tensor.numel() * input_tensor.element_size()
         why = None
         if text is None:
@@ -103,31 +100,37 @@ class CopyEngineReduceScatter(ReduceScatter):
         return None
 
 
-def install(module, group: dist.ProcessGroup | None = None, reason_sink=None,
-            name: str | None = None) -> bool:
-    """Install the copy-engine reduce-scatter on ``module`` (an ``FSDPModule``), its
-    calls named ``fsdp2 <name>`` in explain() (default: the module's class); False, with
-    the reason given to ``reason_sink`` (and logged), where FSDP2 refuses it (more than
-    one param group). ``group`` is FSDP2's own (it passes it at every call)."""
-    del group
-    name = name or type(module).__name__
-    comm = CopyEngineReduceScatter(f"fsdp2 {name}", module)
-    try:
-        module.set_custom_reduce_scatter(comm)
-    except (ValueError, AttributeError, AssertionError) as e:
-        why = f"FSDP2 refused a custom reduce-scatter on {name}: {e}"
-        log.warning("torch_ce: %s; its gradients stay on FSDP2's collective", why)
-        if reason_sink is not None:
-            reason_sink(why)
-        return False
-    _INSTALLED[module] = comm
+def install_group(param_group, reason_sink=None, name: str = "") -> bool:
+    """Install the copy-engine reduce-scatter on one FSDP2 param group (what
+    ``set_custom_reduce_scatter`` sets, per group: it refuses a module with several), its
+    calls named ``fsdp2 <name>`` in explain(). Returns True."""
+    del reason_sink  # every group takes it; a call it cannot serve says why (RsReason)
+    param_group._reduce_scatter_comm = CopyEngineReduceScatter(f"fsdp2 {name}", param_group)
     return True
 
 
+def install(module, group: dist.ProcessGroup | None = None, reason_sink=None,
+            name: str | None = None) -> bool:
+    """Install the copy-engine reduce-scatter on every param group of ``module`` (an
+    ``FSDPModule``), named ``fsdp2 <name>`` (default: the module's class; ``<name>[i]``
+    per group where it has several). ``group`` is FSDP2's own (it passes it at every
+    call). ``uninstall`` puts FSDP2's default back."""
+    from .groups import param_groups
+
+    del group
+    name = name or type(module).__name__
+    pgs = param_groups(module._get_fsdp_state())
+    for i, pg in enumerate(pgs):
+        install_group(pg, reason_sink, name if len(pgs) == 1 else f"{name}[{i}]")
+    return bool(pgs)
+
+
 def uninstall(module) -> None:
-    """Put FSDP2's default reduce-scatter back on ``module``."""
-    if _INSTALLED.pop(module, None) is None:
-        return
+    """Put FSDP2's default reduce-scatter back on every param group of ``module``."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-    module.set_custom_reduce_scatter(DefaultReduceScatter())
+    from .groups import param_groups
+
+    for pg in param_groups(module._get_fsdp_state()):
+        if isinstance(pg._reduce_scatter_comm, CopyEngineReduceScatter):
+            pg._reduce_scatter_comm = DefaultReduceScatter()

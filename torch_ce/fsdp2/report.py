@@ -43,6 +43,7 @@ class GroupRow:
     offset: int | None = None
     calls: int = 0  # all-gathers served so far in this process
     served_bytes: int = 0
+    no_grad_calls: int = 0  # of a training group: those under no_grad / inference_mode
     reduce_scatter: str = ""  # "collective", "copy engine", or why not
     # NOTE [FSDP2 bytes as run]: FSDP2's own all-gathers of the group since enable() (its
     # output bytes), and its reduce-scatters (input bytes) on the copy engines and not.
@@ -110,6 +111,7 @@ def row(group, bound, comm, disabled: bool = False) -> GroupRow:
                  f"cast slot ({dt})" if group.cast else "in place")
     if comm is not None:
         r.calls, r.served_bytes = comm.served.calls, comm.served.bytes
+        r.no_grad_calls = comm.served.no_grad_calls
     ag, rs = getattr(group, "ag_counts", None), getattr(group, "rs_counts", None)
     if ag is not None:
         r.collective_calls, r.collective_bytes = ag.calls, ag.bytes
@@ -180,6 +182,9 @@ def lines(rows: list[GroupRow]) -> list[str]:
                        "engines" + "".join(
                            f"; {nb:,d} B {why}" for why, nb in
                            sorted(t["by_reason"].items(), key=lambda kv: -kv[1])))
+    hint = inference_hint(rows)
+    if hint:
+        out.append(hint)
     cov = coverage(rows)
     if cov["share"] is None:
         out.append("fsdp2 coverage: no gathered bytes")
@@ -190,3 +195,20 @@ def lines(rows: list[GroupRow]) -> list[str]:
                        f"; {nb:,d} B {why}" for why, nb in
                        sorted(cov["by_reason"].items(), key=lambda kv: -kv[1])))
     return out
+
+
+def inference_hint(rows: list[GroupRow]) -> str:
+    """One line for training groups that were only ever gathered with grad off: a model
+    whose parameters require grad (as ``from_pretrained`` leaves them) run only under
+    ``no_grad`` / ``inference_mode`` / ``generate()`` pays a staging copy and the step
+    words per call that static weights do not ("" where none)."""
+    idle = [r for r in rows if r.status == "bound" and r.how == "staged (training)" and r.calls
+            and r.no_grad_calls == r.calls]
+    if not idle:
+        return ""
+    return (f"fsdp2 hint: {len(idle)} training group(s) were gathered only under no_grad / "
+            f"inference_mode ({sum(r.calls for r in idle)} call(s)): their parameters require grad "
+            "(from_pretrained leaves them so). For inference, model.requires_grad_(False) after "
+            "loading (before fully_shard), or fsdp2.enable(model, weights=\"static\"), reads them "
+            "as static weights: no staging copy or step words per call")
+

@@ -1,4 +1,4 @@
-"""Step words: the one-sided signals of a training group's gathers (host transport).
+"""Step words: the one-sided signals of a training group's gathers.
 
 # NOTE [FSDP2 training: step words]
 In training the weights change at every optimizer step, wherever and however it runs, so a
@@ -36,9 +36,10 @@ Call k of the group, on every rank:
   of the same backward, an update round) ends the wait as well. The group is then
   poisoned on this rank (each later call raises the same).
 Cost per call and group: one local copy of the chunk, two word stores, 2 (W-1) word
-loads (a wait that is already satisfied is one load). The signals live in host memory, so
-this is the host transport's protocol only: on CUDA a training group keeps FSDP2's own
-all-gather (``unavailable``) until the stream-flag version exists.
+loads (a wait that is already satisfied is one load). On CUDA the same steps are stream
+operations on words in host memory every rank maps, enqueued by one C++ call (NOTE [FSDP2
+step words on CUDA] in csrc/ce_flags.cu, fsdp2/step_words.py): no host thread waits, and
+the stream watchdog bounds the waits instead (NOTE [releasing a training gather]).
 """
 from __future__ import annotations
 
@@ -59,9 +60,23 @@ class StepWordTimeout(PeerError):
 
 def unavailable(device: torch.device) -> str:
     """Why a training group on ``device`` cannot take the step words ("" when it can)."""
+    if device.type == "cuda":  # NOTE [FSDP2 step words on CUDA] in csrc/ce_flags.cu
+        from ..config import config
+        from ..runtime import native
+
+        if not native.has_step_gather():
+            return ("training on CUDA: the C++ library has no step_gather (rebuild csrc/); FSDP2 "
+                    "keeps its all-gather")
+        if not config.host_transport:
+            return ("training on CUDA: the step words live in host windows and config.host_transport "
+                    "is off; FSDP2 keeps its all-gather")
+        with torch.cuda.device(device):
+            if native.stream_flags_info()[0] != 1:
+                return ("training on CUDA: this device has no stream memory operations "
+                        "(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1); FSDP2 keeps its all-gather")
+        return ""
     if device.type != "cpu":
-        return ("training on CUDA: the FSDP2 step words are host-transport only so far (NOTE "
-                "[FSDP2 training: step words]); FSDP2 keeps its all-gather")
+        return f"training on {device.type}: no step words there; FSDP2 keeps its all-gather"
     m = platform.machine().lower()
     if m not in ("x86_64", "amd64", "i386", "i686", "x86"):
         return (f"the step words rely on x86 store order (TSO) and this host is "

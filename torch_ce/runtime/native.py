@@ -458,6 +458,27 @@ def peer_copy_into(out: torch.Tensor, srcs: list, rows: list) -> None:
     torch.ops.torch_ce_native.peer_copy_into(out, srcs, rows)
 
 
+def has_step_gather() -> bool:
+    """Whether the loaded library has ``step_gather`` (FSDP2's training gathers on CUDA)."""
+    return load() and hasattr(torch.ops.torch_ce_native, "step_gather")
+
+
+def step_group(srcs: list, rows: list, peer_ready: list, peer_done: list, my_ready: int, my_done: int) -> int:
+    """A training group's peer buffers and word addresses registered with the C++ side:
+    its id for ``step_gather`` (NOTE [FSDP2 step words on CUDA] in csrc/ce_flags.cu)."""
+    return int(torch.ops.torch_ce_native.step_group(srcs, rows, peer_ready, peer_done, my_ready, my_done))
+
+
+def step_forget(group: int) -> None:
+    torch.ops.torch_ce_native.step_forget(int(group))
+
+
+def step_gather_op():
+    """``step_gather(out, input, buffer, group, call)``'s overload itself, for a caller that
+    binds it once (the packet's dispatch costs about a microsecond per call)."""
+    return torch.ops.torch_ce_native.step_gather.default
+
+
 class Handle:
     """A C++ reduce-scatter workspace or call, held by its integer id (csrc/ce_reduce_scatter.cu
     "Handles": a custom-class object costs ~15 us to pass through an op call); the C++

@@ -1,12 +1,13 @@
-"""The reduce-scatter's watchdog: one thread per process that releases a CUDA stream whose
-wait no peer will satisfy.
+"""The reduce-scatter's source of the stream watchdog (NOTE [the stream watchdog] in
+runtime/watchdog.py): it releases a CUDA stream whose reduce-scatter wait no peer will
+satisfy.
 
 # NOTE [reduce-scatter watchdog]
-A GPU stream wait has no timeout of its own. Each completed call goes to one watchdog
-thread per process, which polls its event (cudaEventQuery: no sync) while it is not done,
-and, every quarter second, the store for its group's generation's abort (off the call's
-path: NOTE [sessions: one abort per group generation] in runtime/session.py; the watchdog
-is this protocol's poll). A call past ``rs_timeout_s``, or whose generation ended (a peer
+A GPU stream wait has no timeout of its own. Each completed call goes to the stream
+watchdog's thread (one per process, shared with FSDP2's training gathers), which polls its
+event (cudaEventQuery: no sync) while it is not done, and, every quarter second, the store
+for its group's generation's abort (off the call's path: NOTE [sessions: one abort per
+group generation] in runtime/session.py; the watchdog is this protocol's poll). A call past ``rs_timeout_s``, or whose generation ended (a peer
 aborted it, in any protocol, or this rank gave it up), is released:
   1. it reads the call's flag and header words (a copy on a side stream, bounded) to name
      the peer that did not push, or the other call a peer pushed (the wait is EQ on the
@@ -31,9 +32,8 @@ Under CUDA_DEVICE_MAX_CONNECTIONS=1 the own-stream writes queue behind the block
 there the workspace's words are host-mapped (runtime/reduce_scatter/host_flags.py) and the
 release is host stores: the call's tag into its half's poison word, then the awaited
 flags; the reduction kernel behind the waits reads the poison and writes NaN (NOTE
-[poison word] in csrc/ce_flags.cu). The watchdog's thread runs in CUDA's relaxed
-stream-capture mode: its event queries would otherwise invalidate a CUDA graph another
-thread captures in the default (global) mode (test_capture_while_the_watchdog_polls).
+[poison word] in csrc/ce_flags.cu). The thread runs in CUDA's relaxed stream-capture
+mode (test_capture_while_the_watchdog_polls).
 A host blocked in ``torch.cuda.synchronize()`` (or ``loss.item()``) therefore returns
 within ``rs_timeout_s`` plus the poll; what it computed from the call is NaN.
 Not under CUDA-graph capture: a captured event is not queried and a replay runs no host
@@ -41,11 +41,10 @@ code, so nothing covers a dead peer there but the job's own teardown (the launch
 timeout, or an NCCL collective's watchdog); a replay whose peer is gone blocks its stream.
 
 The watched calls are one list per process, not a workspace's: one thread watches the
-calls of every pool, and the atexit join (``_stop_watchdog``) must find that thread.
+calls of every pool.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
@@ -54,16 +53,17 @@ import torch
 
 from ...config import config
 from .. import native
+from .. import watchdog as WD
+from ..session import describe
 from .call import Call, Stage
-from ..session import ABORT_EVERY_S, describe
 from .flags import DATA, FREE, RETRACT, ReduceScatterError, peer_call, post_call
 
 log = logging.getLogger("torch_ce")
 
 _watch_lock = threading.Lock()
 _watched: list = []  # [deadline, call] of completions not yet seen done
-_watcher: list = []  # the running thread, if any
-_stopping = threading.Event()
+_watcher = WD._watcher  # the stream watchdog's thread, if it runs (tests look)
+_stop_watchdog = WD._stop_watchdog
 _NAN = {torch.float32: (0x7FC00000, 4), torch.bfloat16: (0x7FC0, 2)}
 # How the watchdog writes a flag word: 2 cuMemsetD32Async, 3 cuStreamWriteValue32, both on
 # the library's own non-blocking stream (either releases a blocked wait).
@@ -78,38 +78,15 @@ def watch(call: Call, started: bool = True) -> None:
         return
     with _watch_lock:
         _watched.append([time.monotonic() + float(config.rs_timeout_s) if started else None, call])
-        if not _watcher or not _watcher[0].is_alive():
-            t = threading.Thread(target=_watchdog, name="torch_ce_rs_watchdog", daemon=True)
-            _watcher[:] = [t]
-            t.start()
+    WD.wake(_tick)
 
 
-def _watchdog() -> None:
-    """Runs while some completion is pending; ends when none is (``watch`` starts it
-    again) or at interpreter exit (no CUDA call may run during teardown).
-
-    It leaves ``_watcher`` only after its last reference to a call is gone: a call's last
-    reference dropped here runs its handle's ``rs_forget``, an op that runs without the GIL
-    and takes it back to free the call's tensors; at interpreter exit the atexit join
-    (``_stop_watchdog``) must still see this thread then, or the finalizing interpreter
-    ends it inside that op (std::terminate)."""
-    # Its event queries run while the user may capture a CUDA graph in another thread: in
-    # CUDA's default (global) mode they would invalidate that capture.
-    try:
-        native.relax_thread_capture_mode()
-    except Exception as e:  # noqa: BLE001 (logged: the watchdog must run)
-        log.warning("torch_ce: the reduce-scatter watchdog keeps CUDA's global capture mode: %s", e)
-    next_abort = time.monotonic() + ABORT_EVERY_S
-    while not _stopping.wait(0.02):
-        now = time.monotonic()
-        look = now >= next_abort
-        if look:
-            next_abort = now + ABORT_EVERY_S
-        _watch_tick(now, look)  # the tick's references to calls die with its frame
-        with _watch_lock:
-            if not _watched:
-                _watcher.clear()
-                return
+def _tick(now: float, look: bool) -> bool:
+    """The stream watchdog's source (NOTE [the stream watchdog] in runtime/watchdog.py):
+    one pass over the watched calls; whether any is still pending."""
+    _watch_tick(now, look)  # the tick's references to calls die with its frame
+    with _watch_lock:
+        return bool(_watched)
 
 
 def _watch_tick(now: float, look: bool) -> None:
@@ -294,15 +271,3 @@ def release() -> None:
     """Forget every watched call (torch_ce.release_all)."""
     with _watch_lock:
         _watched.clear()
-
-
-def _stop_watchdog() -> None:
-    """At exit, before the interpreter finalizes: the watchdog ends its tick (a release
-    waits at most ~3 s: ``_read_words`` and ``_release``'s own bounds) and is joined."""
-    _stopping.set()
-    t = _watcher[0] if _watcher else None
-    if t is not None:
-        t.join(timeout=5.0)
-
-
-atexit.register(_stop_watchdog)
