@@ -42,7 +42,7 @@ import torch
 from ..runtime import native
 from ..runtime import session as S
 from ..runtime import watchdog as WD
-from ..runtime.reduce_scatter.host_flags import one_queue
+from ..runtime.watchdog import NAN_WORDS, one_queue
 from ..runtime.session import describe
 from .signals import DONE, READY
 
@@ -151,8 +151,6 @@ class Registered:
 def gather(comm, out: torch.Tensor, input_tensor: torch.Tensor) -> None:
     """Call ``comm.calls + 1`` of a training group on CUDA: enqueued, then watched. Its
     first call registers the group and sets ``comm._fast``, which serves the next ones."""
-    if comm.poison:
-        raise RuntimeError(comm.poison)
     if comm._step_reg is None:
         comm._step_reg = Registered(comm)
     fast = fast_call(comm)
@@ -264,9 +262,6 @@ def _tick(now: float, look: bool) -> bool:
         return bool(_watched)
 
 
-_NAN = {torch.float32: (0x7FC00000, 4), torch.bfloat16: (0x7FC0, 2), torch.float16: (0x7E00, 2)}
-
-
 def _lagging(c, words: tuple) -> tuple[int, list[str]]:
     """The call this rank's stream waits in, and the peers it waits for, by name."""
     k = words[c.rank][READY]  # this rank's stream staged calls up to k
@@ -288,20 +283,20 @@ def release(w: _Watch, why: str) -> None:
     k, names = _lagging(c, _words(c))
     if why == "timeout":
         why = f"no progress for {c.timeout_s:g} s (fsdp2_timeout_s, or fsdp2.enable(timeout_s=...))"
-    queues = one_queue()
+    one = one_queue()
     msg = (f"torch_ce.fsdp2: {c.group.name}: CUDA training gather {k} of {last} enqueued: {why}; "
            + ("; ".join(names) or "no peer word is behind") + ". Its stream was released: "
            + ("the gathers from this one on read stale peer bytes (one hardware queue: "
               "CUDA_DEVICE_MAX_CONNECTIONS=1), "
-              if queues else "the peers' parts of the gathers from this one on are NaN, ")
+              if one else "the peers' parts of the gathers from this one on are NaN, ")
            + "and this group's next gather raises (a rank that crashed, hangs, or runs other "
            "FSDP2 gathers than its peers?)")
     c.poison = (f"{msg}; fsdp2.disable(model) and enable it again on every rank")
     w.session.fail(c.ranks[c.rank], "step_words", msg)
     log.error("%s", msg)
     with torch.cuda.device(c.bound.buffer.device):
-        if not queues:
-            fill = _NAN.get(c.bound.buffer.dtype)
+        if not one:
+            fill = NAN_WORDS.get(c.bound.buffer.dtype)
             for p in c.peers:
                 buf = c.bound.slot.peer_views[p]
                 if fill is not None:

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 from typing import Callable
+
+import torch
 
 from . import native
 from .session import ABORT_EVERY_S
@@ -33,6 +36,18 @@ from .session import ABORT_EVERY_S
 log = logging.getLogger("torch_ce")
 
 Tick = Callable[[float, bool], bool]
+
+# What a source writes to poison a released call's outputs, per dtype: (a NaN's bits, its
+# width in bytes), for ``native.host_write_words``.
+NAN_WORDS = {torch.float32: (0x7FC00000, 4), torch.bfloat16: (0x7FC0, 2), torch.float16: (0x7E00, 2)}
+
+
+def one_queue() -> bool:
+    """Whether the driver puts every stream on one hardware queue (read from the
+    environment it read: the same on every rank a launcher starts alike). There a write a
+    source enqueues on a stream of its own queues behind the wait it should release."""
+    return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
+
 
 _lock = threading.Lock()
 _sources: list = []  # the registered ticks

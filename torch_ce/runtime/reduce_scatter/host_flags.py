@@ -29,6 +29,7 @@ import torch
 
 from ...config import config
 from .. import host, native
+from ..watchdog import one_queue  # noqa: F401 (the op and the tests ask it here)
 
 _PAGE = mmap.PAGESIZE
 
@@ -40,12 +41,6 @@ def words(group_size: int) -> int:
 
 def segment_bytes(group_size: int) -> int:
     return -(-words(group_size) * 4 // _PAGE) * _PAGE  # whole pages: cudaHostRegister's unit
-
-
-def one_queue() -> bool:
-    """Whether the driver puts every stream on one hardware queue (read from the
-    environment it read: the same on every rank a launcher starts alike)."""
-    return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
 
 
 def unavailable() -> str | None:

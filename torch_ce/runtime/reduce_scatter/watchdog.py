@@ -64,7 +64,6 @@ _watch_lock = threading.Lock()
 _watched: list = []  # [deadline, call] of completions not yet seen done
 _watcher = WD._watcher  # the stream watchdog's thread, if it runs (tests look)
 _stop_watchdog = WD._stop_watchdog
-_NAN = {torch.float32: (0x7FC00000, 4), torch.bfloat16: (0x7FC0, 2)}
 # How the watchdog writes a flag word: 2 cuMemsetD32Async, 3 cuStreamWriteValue32, both on
 # the library's own non-blocking stream (either releases a blocked wait).
 _FLAG_WRITE = 2
@@ -251,7 +250,7 @@ def _release_device_flags(ws, call: Call, stuck: list, mismatch: bool) -> None:
     host on the library's own stream; both asynchronous (measured: a synchronous write
     queues behind the blocked stream or blocks its caller), so the watchdog never blocks."""
     h = call.half
-    fill, width = _NAN[ws.dtype]
+    fill, width = WD.NAN_WORDS[ws.dtype]
     for kind, j, value in stuck:  # stream order: the launch's free waits, then the data waits
         rc = 0
         if kind == DATA:
